@@ -1,0 +1,224 @@
+// The driver: plans work items, runs them in one OpenMP parallel region with per-thread scratch,
+// and merges split-KV partial results. Built with no -m flags; all SIMD work happens in the
+// family's run_item through the dispatch table.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+#include "../dispatch/registry.h"
+#include "../kernels/common/kernel.h"
+
+namespace fa2cpu {
+namespace {
+
+// Split-KV policy (flash-decoding): with `num_splits = 0`, split the key axis only when the base
+// items cannot give every thread kMinItemsPerThread items, and never into pieces shorter than
+// kMinKeysPerSplit keys (a split costs a partial write + merge of its rows).
+constexpr int64_t kMinItemsPerThread = 2;
+constexpr int64_t kMinKeysPerSplit = 512;
+
+struct MergeGroup {
+    WorkItem base;   // rows of the group (kb/ke unused)
+    int64_t part0;   // partial rows of split s start at part0 + s*rows
+    int64_t splits;
+};
+
+// Per-thread scratch, reused across calls (OpenMP keeps its threads alive).
+struct ThreadScratch {
+    float* ptr = nullptr;
+    int64_t floats = 0;
+    ~ThreadScratch() { std::free(ptr); }
+    float* get(int64_t n) {
+        if (n > floats) {
+            std::free(ptr);
+            ptr = static_cast<float*>(std::aligned_alloc(64, size_t(round_up(n, 16)) * 4));
+            floats = ptr ? n : 0;
+        }
+        return ptr;
+    }
+};
+thread_local ThreadScratch tls_scratch;
+
+struct Plan {
+    std::vector<WorkItem> items;
+    std::vector<double> cost;
+    std::vector<MergeGroup> merges;
+    int64_t part_rows = 0;
+    int64_t max_rows = 1;
+};
+
+Plan make_plan(const Params& p, const KernelTable& T, int threads) {
+    Plan plan;
+    const int64_t G = p.hq / p.hk;
+    struct Base { WorkItem it; int64_t kb, ke; double cost; };
+    std::vector<Base> bases;
+    for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
+        if (nq <= 0) continue;
+        // Rows per item: all heads of the GQA group together (K/V packed once for all of them),
+        // as many query positions as fit in max_rows, chunks balanced so none is a sliver.
+        const int64_t gh = std::min<int64_t>(G, T.max_rows);
+        const int64_t want = std::max<int64_t>(1, T.max_rows / gh);
+        const int64_t chunks = (nq + want - 1) / want;
+        const int64_t nqi = (nq + chunks - 1) / chunks;
+        for (int64_t hkv = 0; hkv < p.hk; ++hkv)
+            for (int64_t g0 = 0; g0 < G; g0 += gh)
+                for (int64_t i0 = 0; i0 < nq; i0 += nqi) {
+                    const int64_t i1 = std::min(nq, i0 + nqi);
+                    int64_t lo0, hi0, lo1, hi1;
+                    visible_range(p, nq, nk, i0, &lo0, &hi0);
+                    visible_range(p, nq, nk, i1 - 1, &lo1, &hi1);
+                    const int64_t kb = std::min(lo0, lo1), ke = std::max(hi0, hi1) + 1;
+                    const int64_t g1 = std::min(G, g0 + gh);
+                    WorkItem it{int32_t(b), int32_t(hkv), int32_t(g0), int32_t(g1), i0, i1, 0, nk, -1};
+                    const double span = double(std::max<int64_t>(0, ke - kb));
+                    bases.push_back({it, kb, ke, double((g1 - g0) * (i1 - i0)) * (span + 64.0)});
+                }
+    }
+    const int64_t nbase = int64_t(bases.size());
+    for (const Base& bs : bases) {
+        const int64_t rows = (bs.it.g1 - bs.it.g0) * (bs.it.i1 - bs.it.i0);
+        plan.max_rows = std::max(plan.max_rows, rows);
+        const int64_t span = bs.ke - bs.kb;
+        int64_t splits = p.num_splits;
+        if (splits == 0) {
+            const int64_t want = (int64_t(threads) * kMinItemsPerThread + nbase - 1) / std::max<int64_t>(nbase, 1);
+            splits = std::min(want, span / kMinKeysPerSplit);
+        }
+        // Splits never cut a K/V tile in two, and each holds at least one tile.
+        splits = std::max<int64_t>(1, std::min(splits, (span + T.kv_tile - 1) / T.kv_tile));
+        if (splits == 1) {
+            plan.items.push_back(bs.it);
+            plan.cost.push_back(bs.cost);
+            continue;
+        }
+        const int64_t tiles = (span + T.kv_tile - 1) / T.kv_tile;
+        MergeGroup mg{bs.it, plan.part_rows, splits};
+        for (int64_t s = 0; s < splits; ++s) {
+            WorkItem it = bs.it;
+            it.kb = bs.kb + (tiles * s / splits) * T.kv_tile;
+            it.ke = std::min(bs.ke, bs.kb + (tiles * (s + 1) / splits) * T.kv_tile);
+            it.part = plan.part_rows + s * rows;
+            plan.items.push_back(it);
+            plan.cost.push_back(bs.cost / double(splits));
+        }
+        plan.part_rows += splits * rows;
+        plan.merges.push_back(mg);
+    }
+    // Longest first, so the dynamic schedule ends with short items (causal work is triangular).
+    std::vector<size_t> order(plan.items.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return plan.cost[a] > plan.cost[b]; });
+    std::vector<WorkItem> sorted;
+    sorted.reserve(order.size());
+    for (size_t i : order) sorted.push_back(plan.items[i]);
+    plan.items.swap(sorted);
+    return plan;
+}
+
+// LSE-weighted merge of a group's split partials into the final output rows.
+void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
+    const WorkItem& it = mg.base;
+    const int64_t G = p.hq / p.hk, Dv = p.dv, nqi = it.i1 - it.i0, rows = (it.g1 - it.g0) * nqi;
+    const DType dt = DType(p.dtype);
+    float acc[256];
+    for (int64_t r = 0; r < rows; ++r) {
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < mg.splits; ++s) {
+            const float x = parts.lse[mg.part0 + s * rows + r];
+            if (x > mx) mx = x;
+        }
+        for (int64_t j = 0; j < Dv; ++j) acc[j] = 0.f;
+        float total = 0.f;
+        if (mx != -INFINITY) {
+            for (int64_t s = 0; s < mg.splits; ++s) {
+                const float w = std::exp2(parts.lse[mg.part0 + s * rows + r] - mx);
+                if (w == 0.f) continue;  // a split that saw no key (or underflowed)
+                const float* po = parts.o + (mg.part0 + s * rows + r) * Dv;
+                for (int64_t j = 0; j < Dv; ++j) acc[j] += w * po[j];
+                total += w;
+            }
+        }
+        const float inv = total == 0.f ? 0.f : 1.f / total;
+        const float lse2 = total == 0.f ? -INFINITY : mx + std::log2(total);
+        const int64_t h = it.hkv * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
+        const int64_t ob = q_row_offset(p, it.b, i, p.o_sb, p.o_sn) + h * p.o_sh;
+        for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, acc[j] * inv, dt);
+        if (p.lse) p.lse[q_row_offset(p, it.b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * 0.6931471805599453f;
+    }
+}
+
+}  // namespace
+
+int forward(const Params& p) {
+    const KernelTable& T = current_table();
+    const int threads = std::max(1, p.num_threads);
+    Plan plan = make_plan(p, T, threads);
+    if (plan.items.empty()) return 0;
+    std::vector<float> part_o, part_lse;
+    if (plan.part_rows > 0) {
+        part_o.resize(size_t(plan.part_rows * p.dv));
+        part_lse.resize(size_t(plan.part_rows));
+    }
+    const Partials parts{part_o.data(), part_lse.data()};
+    const int64_t scratch_floats = T.scratch_floats(p, plan.max_rows);
+    const int64_t nitems = int64_t(plan.items.size()), nmerge = int64_t(plan.merges.size());
+    const int nt = int(std::min<int64_t>(threads, nitems));
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        float* scratch = tls_scratch.get(scratch_floats);
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < nitems; ++i) T.run_item(p, plan.items[size_t(i)], scratch, parts);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t g = 0; g < nmerge; ++g) merge_group(p, plan.merges[size_t(g)], parts);
+        }
+    }
+    return failed;
+}
+
+double peak_gflops(int isa, int dtype, int threads, double seconds) {
+    const KernelTable* T = family_table(isa);
+    if (!T) return 0.0;
+    double total = 0.0;
+#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : total)
+    total += T->peak_one_thread(dtype, seconds);
+    return total;
+}
+
+double read_bandwidth_gbs(int threads, int64_t nbytes) {
+    const int64_t n = std::max<int64_t>(nbytes / 8, 1024);
+    std::vector<double> buf(static_cast<size_t>(n));
+    const int nt = std::max(1, threads);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t i = 0; i < n; ++i) buf[size_t(i)] = double(i & 7);  // first touch by the readers
+    double best = 0.0, sink = 0.0;
+    for (int rep = 0; rep < 5; ++rep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        double sum = 0.0;
+        // 8 independent sums per thread: one chain would be bound by add latency, not memory.
+#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : sum)
+        for (int64_t i = 0; i < n / 8; ++i) {
+            const double* x = buf.data() + 8 * i;
+            sum += ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        }
+        const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        sink += sum;
+        best = std::max(best, double(n / 8 * 8) * 8.0 / el * 1e-9);
+    }
+    volatile double keep = sink;
+    (void)keep;
+    return best;
+}
+
+}  // namespace fa2cpu

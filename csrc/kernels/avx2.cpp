@@ -1,0 +1,72 @@
+// Family "avx2": AVX2 + FMA (+F16C), float32 micro-kernels with 8 rows per vector.
+// Built with -mavx2 -mfma -mf16c (setup.py, per file).
+//
+// Register blocking (tile_loop.h): RV x NK = 2 x 6 = 12 ymm accumulators, 2 row loads and one
+// broadcast register: 15 of the 16 ymm registers.
+#include <immintrin.h>
+
+#include "common/probe.h"
+#include "common/tile_loop.h"
+#include "common/vecmath.h"
+
+namespace fa2cpu {
+namespace {
+
+struct V256 {
+    using vec = __m256;
+    static constexpr int W = 8, RV = 2, NK = 6, ND = 6;
+    static constexpr int64_t BC = 128, MAX_ROWS = 128;
+
+    static vec zero() { return _mm256_setzero_ps(); }
+    static vec set1(float a) { return _mm256_set1_ps(a); }
+    static vec load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, vec a) { _mm256_storeu_ps(p, a); }
+    static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+    static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+    static vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+    static vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+    static vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+    static vec abs(vec a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+    static vec exp2(vec x) {
+        // Clamp keeps 2^n a normal float or exactly 0 (n = -127 gives a zero exponent field);
+        // vmaxps/vminps return the second operand when either is NaN: x stays NaN.
+        x = _mm256_min_ps(_mm256_set1_ps(127.f), _mm256_max_ps(_mm256_set1_ps(-127.f), x));
+        const vec n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const vec f = _mm256_sub_ps(x, n);
+        vec p = _mm256_set1_ps(kExp2C[6]);
+        for (int i = 5; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C[i]));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    }
+    static vec tanh(vec x) {
+        const vec t = exp2(_mm256_mul_ps(x, _mm256_set1_ps(2.f * 1.4426950408889634f)));
+        return _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(t, _mm256_set1_ps(1.f))));
+    }
+    static vec mask_outside(vec x, vec kc, vec lo, vec hi, vec ninf) {
+        const vec out = _mm256_or_ps(_mm256_cmp_ps(kc, lo, _CMP_LT_OQ), _mm256_cmp_ps(kc, hi, _CMP_GT_OQ));
+        return _mm256_blendv_ps(x, ninf, out);
+    }
+    static vec zero_where_ninf(vec m) {
+        return _mm256_blendv_ps(m, _mm256_setzero_ps(), _mm256_cmp_ps(m, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+    }
+    static bool any_gt(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
+    static void load_row(float* dst, const void* src, int64_t n, int64_t stride, DType dt) {
+        if (stride != 1 || dt == DType::f32) { load_row_scalar(dst, src, n, stride, dt); return; }
+        const uint16_t* s = static_cast<const uint16_t*>(src);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + j));
+            _mm256_storeu_ps(dst + j, dt == DType::f16 ? _mm256_cvtph_ps(h)
+                                                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+        if (j < n) load_row_scalar(dst + j, s + j, n - j, 1, dt);
+    }
+};
+
+double peak(int, double seconds) { return fma_peak_gflops<V256>(seconds); }
+
+}  // namespace
+
+extern const KernelTable kTableAvx2 = make_table<V256>(Isa::avx2, &peak);
+
+}  // namespace fa2cpu

@@ -1,0 +1,144 @@
+// Internal contract between the driver (csrc/driver) and the per-ISA kernel files (csrc/kernels).
+// Everything here is in an anonymous namespace or is a plain struct: this header is compiled with
+// different -m flags in different translation units, and inline functions with external linkage
+// could be merged by the linker across them (an AVX-512 copy running on an AVX2 machine).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "fa2cpu/fa2cpu.h"
+
+namespace fa2cpu {
+
+// One unit of parallel work: a set of query rows (heads hkv*G + [g0, g1) x query rows [i0, i1) of
+// sequence b) against key positions [kb, ke) of that sequence.
+struct WorkItem {
+    int32_t b, hkv, g0, g1;
+    int64_t i0, i1;
+    int64_t kb, ke;
+    int64_t part;  // -1: write the final output; else row offset into the split-KV partial buffers
+};
+
+// Partial results of split-KV items: part_o[(part + r)*dv + j] is row r's output normalised over
+// the split's keys, part_lse[part + r] its log2-sum-exp (-inf when the split saw no key).
+struct Partials {
+    float* o;
+    float* lse;
+};
+
+// One row of the dispatch table (one per compiled family).
+struct KernelTable {
+    Isa isa;
+    int64_t max_rows;  // rows (heads x queries) one work item holds: sizes Q/O scratch
+    int64_t kv_tile;   // keys per streamed K/V tile
+    // Floats of per-thread scratch needed for an item of p with at most `rows` rows.
+    int64_t (*scratch_floats)(const Params& p, int64_t rows);
+    void (*run_item)(const Params& p, const WorkItem& it, float* scratch, Partials parts);
+    // One thread's peak of the family's main multiply-add instruction for dtype (0 f32, 2 bf16),
+    // GFLOP/s, measured for about `seconds`.
+    double (*peak_one_thread)(int dtype, double seconds);
+};
+
+namespace {
+
+inline int64_t seq_nq(const Params& p, int64_t b) {
+    return p.cu_q ? p.cu_q[b + 1] - p.cu_q[b] : p.nq;
+}
+inline int64_t seq_nk(const Params& p, int64_t b) {
+    if (p.seqlen_k) return p.seqlen_k[b];
+    return p.cu_k ? p.cu_k[b + 1] - p.cu_k[b] : p.nk;
+}
+// Element offset of query row i (of sequence b) for arrays laid out like q (strides sb, sn).
+inline int64_t q_row_offset(const Params& p, int64_t b, int64_t i, int64_t sb, int64_t sn) {
+    return p.cu_q ? (p.cu_q[b] + i) * sn : b * sb + i * sn;
+}
+// Element offset of key position pos of sequence b for arrays laid out like k (strides sb, sn).
+inline int64_t k_row_offset(const Params& p, int64_t b, int64_t pos, int64_t sb, int64_t sn) {
+    if (p.block_table) {
+        const int64_t blk = p.block_table[b * p.bt_sb + pos / p.block_size];
+        return blk * sb + (pos % p.block_size) * sn;
+    }
+    return p.cu_k ? (p.cu_k[b] + pos) * sn : b * sb + pos * sn;
+}
+
+// Visible keys of query row i (bottom-right aligned): [lo, hi] clipped to [0, nk-1]; lo > hi means none.
+inline void visible_range(const Params& p, int64_t nq, int64_t nk, int64_t i, int64_t* lo, int64_t* hi) {
+    const int64_t diag = i + nk - nq;
+    int64_t a = p.win_left < 0 ? 0 : diag - p.win_left;
+    int64_t z = p.win_right < 0 ? nk - 1 : diag + p.win_right;
+    *lo = a < 0 ? 0 : a;
+    *hi = z > nk - 1 ? nk - 1 : z;
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- scalar dtype conversions (round to nearest even, NaN kept) ----
+inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = uint32_t(h) << 16; float f; std::memcpy(&f, &u, 4); return f;
+}
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);            // inf / nan
+    else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);  // normal
+    else if (man == 0) u = sign;                                      // zero
+    else {                                                            // subnormal: normalise
+        int e = -1;
+        do { ++e; man <<= 1; } while (!(man & 0x400u));
+        u = sign | uint32_t(112 - e) << 23 | ((man & 0x3ffu) << 13);
+    }
+    float f; std::memcpy(&f, &u, 4); return f;
+}
+inline uint16_t f32_to_f16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);        // nan
+    if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);       // overflow (>= 65520) -> inf
+    if (a < 0x38800000u) {                                       // result subnormal or zero
+        if (a < 0x33000000u) return sign;                        // < 2^-25 rounds to 0
+        const uint32_t e = a >> 23, man = (a & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126 - e;                          // 14..24
+        uint32_t r = man >> shift;
+        const uint32_t rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (r & 1u))) ++r;
+        return uint16_t(sign | r);
+    }
+    uint32_t r = a - 0x38000000u;                                // rebias 127 -> 15
+    r += 0xfffu + ((r >> 13) & 1u);
+    return uint16_t(sign | (r >> 13));
+}
+
+// Reads n elements (stride in elements) of dtype dt as float32.
+inline void load_row_scalar(float* dst, const void* src, int64_t n, int64_t stride, DType dt) {
+    if (dt == DType::f32) {
+        const float* s = static_cast<const float*>(src);
+        if (stride == 1) { std::memcpy(dst, s, size_t(n) * 4); return; }
+        for (int64_t j = 0; j < n; ++j) dst[j] = s[j * stride];
+    } else if (dt == DType::bf16) {
+        const uint16_t* s = static_cast<const uint16_t*>(src);
+        for (int64_t j = 0; j < n; ++j) dst[j] = bf16_to_f32(s[j * stride]);
+    } else {
+        const uint16_t* s = static_cast<const uint16_t*>(src);
+        for (int64_t j = 0; j < n; ++j) dst[j] = f16_to_f32(s[j * stride]);
+    }
+}
+inline void store_scalar(void* base, int64_t idx, float x, DType dt) {
+    if (dt == DType::f32) static_cast<float*>(base)[idx] = x;
+    else if (dt == DType::bf16) static_cast<uint16_t*>(base)[idx] = f32_to_bf16(x);
+    else static_cast<uint16_t*>(base)[idx] = f32_to_f16(x);
+}
+inline size_t dtype_size(DType dt) { return dt == DType::f32 ? 4 : 2; }
+inline const void* elem_ptr(const void* base, int64_t off, DType dt) {
+    return static_cast<const char*>(base) + off * int64_t(dtype_size(dt));
+}
+
+}  // namespace
+}  // namespace fa2cpu

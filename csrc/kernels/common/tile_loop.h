@@ -1,0 +1,316 @@
+// The FlashAttention-2 tile loop, written once and instantiated by every family's file with its
+// vector traits V (see generic.cpp / avx2.cpp / avx512.cpp for what V provides).
+//
+// Formulation: "rows in lanes". A work item holds R query rows (heads x query positions); vector
+// lane l of row-vector v is row v*W + l. Per item:
+//
+//   qT  [D][M]        Q transposed, pre-scaled (scale*log2e, or scale/softcap), zero rows >= R
+//   oT  [Dvp][M]      unnormalised output accumulator, transposed
+//   m,l [M]           running max (log2 domain) and running sum per row
+//   kp  [Bcp][D]      one K tile packed row-major (converted to f32), zero rows past the tile
+//   vp  [Bc][Dvp]     one V tile packed row-major, zero columns >= Dv
+//   s   [Bc][RB]      scores, then probabilities, of one row block (RB = V::RV*W rows)
+//
+// with M = R rounded up to W, Dvp = Dv rounded up to V::ND, Bcp = Bc rounded up to V::NK.
+// Scores are kept in the log2 domain so the softmax uses exp2; LSE is converted back at the end.
+// Because rows are in lanes, the row max/sum are vertical vector ops and neither K nor V needs a
+// transpose while packing (the micro-kernels broadcast single K/V elements).
+#pragma once
+#include "kernel.h"
+
+namespace fa2cpu {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <class V>
+struct TileLoop {
+    using vec = typename V::vec;
+    static constexpr int W = V::W;
+    static constexpr int RV = V::RV;    // row vectors per micro-tile
+    static constexpr int NK = V::NK;    // keys per QK micro-tile
+    static constexpr int ND = V::ND;    // output columns per PV micro-tile
+    static constexpr int RB = RV * W;   // rows per row block
+    static constexpr int64_t BC = V::BC;
+
+    struct Layout {
+        int64_t M, Dvp, Bcp;
+        int64_t qT, oT, kp, vp, s, m, l, lo, hi, rel, slope, moff, keep, total;
+    };
+    static Layout layout(const Params& p, int64_t rows) {
+        Layout L;
+        L.M = round_up(rows < 1 ? 1 : rows, W);
+        L.Dvp = round_up(p.dv, ND);
+        L.Bcp = round_up(BC, NK);
+        int64_t o = 0;
+        auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
+        L.qT = take(p.d * L.M);
+        L.oT = take(L.Dvp * L.M);
+        L.kp = take(L.Bcp * p.d);
+        L.vp = take(BC * L.Dvp);
+        L.s = take(L.Bcp * RB);
+        L.m = take(L.M); L.l = take(L.M); L.lo = take(L.M); L.hi = take(L.M);
+        L.rel = take(L.M); L.slope = take(L.M);
+        L.moff = take(2 * L.M);   // int64 mask row offsets
+        L.keep = take(BC * RB);   // mask values of one row block (float, gathered)
+        L.total = o;
+        return L;
+    }
+    static int64_t scratch_floats(const Params& p, int64_t rows) { return layout(p, rows).total; }
+
+    // ---- micro-kernels -------------------------------------------------------------------
+    // s[j*RB + v*W + lane] = sum_d qT[d*M + v*W + lane] * kp[j*D + d],  j < NK, v < NV
+    template <int NV>
+    static inline void qk_micro(const float* qT, int64_t M, const float* kp, int64_t D, float* s) {
+        vec acc[NV][NK];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 8
+            for (int j = 0; j < NK; ++j) acc[v][j] = V::zero();
+        for (int64_t d = 0; d < D; ++d) {
+            vec q[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) q[v] = V::load(qT + d * M + v * W);
+            const float* kd = kp + d;
+#pragma GCC unroll 8
+            for (int j = 0; j < NK; ++j) {
+                const vec kb = V::set1(kd[j * D]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(q[v], kb, acc[v][j]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NK; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) V::store(s + j * RB + v * W, acc[v][j]);
+    }
+
+    // oT[(c0+j)*M + v*W + lane] += sum_c s[c*RB + v*W + lane] * vp[c*Dvp + c0 + j],  j < ND
+    template <int NV>
+    static inline void pv_micro(const float* s, int64_t nc, const float* vp, int64_t Dvp, float* oT, int64_t M) {
+        vec acc[NV][ND];
+#pragma GCC unroll 8
+        for (int j = 0; j < ND; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[v][j] = V::load(oT + j * M + v * W);
+        for (int64_t c = 0; c < nc; ++c) {
+            vec pr[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) pr[v] = V::load(s + c * RB + v * W);
+            const float* vc = vp + c * Dvp;
+#pragma GCC unroll 8
+            for (int j = 0; j < ND; ++j) {
+                const vec vb = V::set1(vc[j]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(pr[v], vb, acc[v][j]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < ND; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) V::store(oT + j * M + v * W, acc[v][j]);
+    }
+
+    template <int NV>
+    static void block_gemms_qk(const float* qT, int64_t M, const float* kp, int64_t D, int64_t nc, float* s) {
+        for (int64_t c = 0; c < nc; c += NK) qk_micro<NV>(qT, M, kp + c * D, D, s + c * RB);
+    }
+    template <int NV>
+    static void block_gemms_pv(const float* s, int64_t nc, const float* vp, int64_t Dvp, float* oT, int64_t M) {
+        for (int64_t j = 0; j < Dvp; j += ND) pv_micro<NV>(s, nc, vp + j, Dvp, oT + j * M, M);
+    }
+    static void qk(int nv, const float* qT, int64_t M, const float* kp, int64_t D, int64_t nc, float* s) {
+        switch (nv) {
+            case 1: block_gemms_qk<1>(qT, M, kp, D, nc, s); break;
+            case 2: if constexpr (RV >= 2) block_gemms_qk<2>(qT, M, kp, D, nc, s); break;
+            case 3: if constexpr (RV >= 3) block_gemms_qk<3>(qT, M, kp, D, nc, s); break;
+            default: if constexpr (RV >= 4) block_gemms_qk<RV>(qT, M, kp, D, nc, s); break;
+        }
+    }
+    static void pv(int nv, const float* s, int64_t nc, const float* vp, int64_t Dvp, float* oT, int64_t M) {
+        switch (nv) {
+            case 1: block_gemms_pv<1>(s, nc, vp, Dvp, oT, M); break;
+            case 2: if constexpr (RV >= 2) block_gemms_pv<2>(s, nc, vp, Dvp, oT, M); break;
+            case 3: if constexpr (RV >= 3) block_gemms_pv<3>(s, nc, vp, Dvp, oT, M); break;
+            default: if constexpr (RV >= 4) block_gemms_pv<RV>(s, nc, vp, Dvp, oT, M); break;
+        }
+    }
+
+    // ---- the item ------------------------------------------------------------------------
+    static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+        const int64_t b = it.b, G = p.hq / p.hk, D = p.d, Dv = p.dv;
+        const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
+        const int64_t nqi = it.i1 - it.i0, R = (it.g1 - it.g0) * nqi;
+        const Layout L = layout(p, R);
+        const int64_t M = L.M, Dvp = L.Dvp;
+        float* qT = scratch + L.qT;  float* oT = scratch + L.oT;
+        float* kp = scratch + L.kp;  float* vp = scratch + L.vp;  float* s = scratch + L.s;
+        float* mrow = scratch + L.m; float* lrow = scratch + L.l;
+        float* lo_f = scratch + L.lo; float* hi_f = scratch + L.hi;
+        float* rel = scratch + L.rel; float* slope = scratch + L.slope;
+        int64_t* moff = reinterpret_cast<int64_t*>(scratch + L.moff);
+        float* keep = scratch + L.keep;
+
+        const bool use_softcap = p.softcap > 0.f;
+        const float qscale = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
+        const float cap_l2 = p.softcap * kLog2e;
+        const DType dt = DType(p.dtype);
+
+        // Rows: pack Q^T, set per-row visible ranges and bias parameters.
+        int64_t lo_min = nk, hi_max = -1;
+        for (int64_t r = 0; r < M; ++r) {
+            if (r >= R) {  // padding lanes: computed, never stored, never decide a skip
+                for (int64_t d = 0; d < D; ++d) qT[d * M + r] = 0.f;
+                lo_f[r] = 0.f; hi_f[r] = float(nk); rel[r] = 0.f; slope[r] = 0.f; moff[r] = 0;
+                continue;
+            }
+            const int64_t h = it.hkv * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
+            float tmp[256];
+            load_row_scalar(tmp, elem_ptr(p.q, q_row_offset(p, b, i, p.q_sb, p.q_sn) + h * p.q_sh, dt), D, p.q_sd, dt);
+            for (int64_t d = 0; d < D; ++d) qT[d * M + r] = tmp[d] * qscale;
+            int64_t lo, hi;
+            visible_range(p, nq, nk, i, &lo, &hi);
+            if (lo < it.kb) lo = it.kb;
+            if (hi > it.ke - 1) hi = it.ke - 1;
+            if (lo <= hi) { lo_min = lo < lo_min ? lo : lo_min; hi_max = hi > hi_max ? hi : hi_max; }
+            lo_f[r] = float(lo); hi_f[r] = float(hi);
+            rel[r] = float(i + nk - nq);
+            slope[r] = p.alibi ? -p.alibi[b * p.al_sb + h * p.al_sh] * kLog2e : 0.f;
+            moff[r] = p.mask ? b * p.m_sb + h * p.m_sh + i * p.m_sq : 0;
+        }
+        for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
+        for (int64_t j = 0; j < Dvp * M; ++j) oT[j] = 0.f;
+        for (int64_t j = 0; j < (L.Bcp - BC) * D; ++j) kp[BC * D + j] = 0.f;
+        for (int64_t c = 0; c < BC; ++c)
+            for (int64_t j = Dv; j < Dvp; ++j) vp[c * Dvp + j] = 0.f;
+
+        const int64_t khead = it.hkv * p.k_sh, vhead = it.hkv * p.v_sh;
+        for (int64_t c0 = lo_min; c0 <= hi_max; c0 += BC) {
+            const int64_t nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
+            // Pack the K/V tile (strides, paging and dtype conversion all end here).
+            for (int64_t c = 0; c < nc; ++c) {
+                V::load_row(kp + c * D, elem_ptr(p.k, k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + khead, dt), D, p.k_sd, dt);
+                V::load_row(vp + c * Dvp, elem_ptr(p.v, k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + vhead, dt), Dv, p.v_sd, dt);
+            }
+            for (int64_t c = nc; c < round_up(nc, NK); ++c)
+                for (int64_t d = 0; d < D; ++d) kp[c * D + d] = 0.f;
+
+            for (int64_t r0 = 0; r0 < M; r0 += RB) {
+                const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
+                const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
+                // Skip blocks with no visible key in this tile; find whether masking is needed.
+                float blo = INFINITY, bhi = -INFINITY, blo_max = -INFINITY, bhi_min = INFINITY;
+                for (int64_t r = r0; r < rend; ++r) {
+                    if (lo_f[r] > hi_f[r]) { blo_max = INFINITY; continue; }  // row sees nothing
+                    blo = lo_f[r] < blo ? lo_f[r] : blo;  bhi = hi_f[r] > bhi ? hi_f[r] : bhi;
+                    blo_max = lo_f[r] > blo_max ? lo_f[r] : blo_max;
+                    bhi_min = hi_f[r] < bhi_min ? hi_f[r] : bhi_min;
+                }
+                if (blo > float(c0 + nc - 1) || bhi < float(c0)) continue;
+                const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + nc - 1);
+
+                qk(nv, qT + r0, M, kp, D, nc, s);
+                epilogue(p, nv, r0, c0, nc, range_mask, use_softcap, cap_l2, lo_f, hi_f, rel, slope, moff, keep, s);
+                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT + r0, M, Dvp);
+                pv(nv, s, nc, vp, Dvp, oT + r0, M);
+            }
+        }
+        finish(p, it, R, nqi, M, oT, mrow, lrow, parts);
+    }
+
+    // Scores -> log2-domain logits with every bias and mask applied (only what is enabled).
+    static void epilogue(const Params& p, int nv, int64_t r0, int64_t c0, int64_t nc, bool range_mask,
+                         bool use_softcap, float cap_l2, const float* lo_f, const float* hi_f,
+                         const float* rel, const float* slope, const int64_t* moff, float* keep, float* s) {
+        const bool alibi = p.alibi != nullptr;
+        const MaskKind mk = p.mask ? MaskKind(p.mask_kind) : MaskKind::none;
+        if (!use_softcap && !alibi && mk == MaskKind::none && !range_mask) return;
+        const vec ninf = V::set1(-INFINITY);
+        for (int v = 0; v < nv; ++v) {
+            const int64_t rv = r0 + v * W;
+            const vec lo = V::load(lo_f + rv), hi = V::load(hi_f + rv);
+            const vec rl = V::load(rel + rv), sl = V::load(slope + rv);
+            for (int64_t c = 0; c < nc; ++c) {
+                float* sp = s + c * RB + v * W;
+                vec x = V::load(sp);
+                const float kc = float(c0 + c);
+                if (use_softcap) x = V::mul(V::set1(cap_l2), V::tanh(x));
+                if (alibi) x = V::fma(sl, V::abs(V::sub(rl, V::set1(kc))), x);
+                if (mk != MaskKind::none) {
+                    float* kv = keep + c * RB + v * W;
+                    if (mk == MaskKind::boolean) {
+                        const uint8_t* mb = static_cast<const uint8_t*>(p.mask);
+                        for (int t = 0; t < W; ++t) kv[t] = mb[moff[rv + t] + (c0 + c) * p.m_sk] ? 0.f : -INFINITY;
+                    } else {
+                        const float* mf = static_cast<const float*>(p.mask);
+                        for (int t = 0; t < W; ++t) kv[t] = mf[moff[rv + t] + (c0 + c) * p.m_sk] * kLog2e;
+                    }
+                    x = V::add(x, V::load(kv));
+                }
+                if (range_mask) x = V::mask_outside(x, V::set1(kc), lo, hi, ninf);
+                V::store(sp, x);
+            }
+        }
+    }
+
+    // Online softmax for one row block: new max, p = exp2(s - m) in place, l and oT rescaled
+    // only for row vectors whose max moved. -inf - -inf is guarded: a row that has seen no
+    // visible key keeps m = -inf, l = 0 and contributes p = 0.
+    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t M, int64_t Dvp) {
+        const vec ninf = V::set1(-INFINITY);
+        for (int v = 0; v < nv; ++v) {
+            vec mx = ninf;
+            for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::load(s + c * RB + v * W));
+            const vec m_old = V::load(m + v * W);
+            const vec m_new = V::max(m_old, mx);
+            const vec m_use = V::zero_where_ninf(m_new);
+            vec sum = V::zero();
+            for (int64_t c = 0; c < nc; ++c) {
+                float* sp = s + c * RB + v * W;
+                const vec e = V::exp2(V::sub(V::load(sp), m_use));
+                V::store(sp, e);
+                sum = V::add(sum, e);
+            }
+            if (V::any_gt(m_new, m_old)) {
+                const vec alpha = V::exp2(V::sub(m_old, m_use));
+                V::store(l + v * W, V::fma(V::load(l + v * W), alpha, sum));
+                float* o = oT + v * W;
+                for (int64_t j = 0; j < Dvp; ++j) V::store(o + j * M, V::mul(V::load(o + j * M), alpha));
+            } else {
+                V::store(l + v * W, V::add(V::load(l + v * W), sum));
+            }
+            V::store(m + v * W, m_new);
+        }
+    }
+
+    // Normalise once per item and write the output rows (or the split's partial rows).
+    static void finish(const Params& p, const WorkItem& it, int64_t R, int64_t nqi, int64_t M,
+                       const float* oT, const float* mrow, const float* lrow, Partials parts) {
+        const int64_t b = it.b, G = p.hq / p.hk, Dv = p.dv;
+        for (int64_t r = 0; r < R; ++r) {
+            const float l = lrow[r];
+            const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
+            const float lse2 = l == 0.f ? -INFINITY : mrow[r] + std::log2(l);
+            if (it.part >= 0) {
+                float* po = parts.o + (it.part + r) * Dv;
+                for (int64_t j = 0; j < Dv; ++j) po[j] = oT[j * M + r] * inv;
+                parts.lse[it.part + r] = lse2;
+                continue;
+            }
+            const int64_t h = it.hkv * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
+            const int64_t ob = q_row_offset(p, b, i, p.o_sb, p.o_sn) + h * p.o_sh;
+            for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, oT[j * M + r] * inv, DType(p.dtype));
+            if (p.lse) p.lse[q_row_offset(p, b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * kLn2;
+        }
+    }
+};
+
+// Builds the dispatch-table row of a family from its traits.
+template <class V>
+KernelTable make_table(Isa isa, double (*peak)(int, double)) {
+    return KernelTable{isa, V::MAX_ROWS, V::BC, &TileLoop<V>::scratch_floats, &TileLoop<V>::run_item, peak};
+}
+
+}  // namespace
+}  // namespace fa2cpu

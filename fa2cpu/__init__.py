@@ -1,0 +1,88 @@
+"""fa2cpu: FlashAttention-2 for CPUs.
+
+Exact attention computed tile by tile with an online softmax by C++ SIMD kernels (AVX2, AVX-512,
+AVX-512-BF16, AMX-BF16) parallelised with OpenMP. See ``flash_attention``.
+"""
+import os as _os
+import sys as _sys
+import warnings as _warnings
+
+from . import _core
+from .attention import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
+
+__version__ = "0.1.0"
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
+           "available_isas", "get_isa", "set_isa", "show_config", "__version__"]
+
+ISA_FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "generic")  # best first
+
+
+def available_isas():
+    """Kernel families this build has and this CPU/OS can run, best first (``"generic"`` last)."""
+    return _core.available_isas()
+
+
+def get_isa():
+    """The kernel family in use."""
+    return _core.get_isa()
+
+
+def set_isa(name):
+    """Select the kernel family by name; ``None`` restores the automatic (best usable) choice.
+
+    Raises ValueError for a name outside ``ISA_FAMILIES`` and RuntimeError for a family this
+    build or machine cannot run. Applies process-wide, to calls that start afterwards.
+    """
+    if name is None:
+        _core.reset_isa()
+        return
+    if not isinstance(name, str) or name not in ISA_FAMILIES:
+        raise ValueError(f"name: unknown ISA family {name!r}; expected one of {ISA_FAMILIES} or None")
+    if name not in _core.available_isas():
+        why = "not compiled into this build" if name not in _core.compiled_isas() else "not supported by this CPU/OS"
+        raise RuntimeError(f"ISA family {name!r} is {why}; usable here: {_core.available_isas()}")
+    _core.set_isa(name)
+
+
+def show_config(file=None):
+    """Print version, compiler, OpenMP, compiled and usable families, the family in use, the
+    thread count and ``threadpoolctl.threadpool_info()``."""
+    import platform
+    import numpy
+    out = file or _sys.stdout
+    try:
+        from threadpoolctl import threadpool_info
+        pools = threadpool_info()
+    except Exception as e:  # noqa: BLE001 - show_config must not fail
+        pools = f"unavailable ({e})"
+    lines = [
+        f"fa2cpu {__version__}",
+        f"python {platform.python_version()}, numpy {numpy.__version__}, machine {platform.machine()}",
+        f"compiler: {_core.compiler_info()}",
+        f"openmp: {_core.openmp_info()}",
+        f"compiled families: {', '.join(_core.compiled_isas())}",
+        f"usable families:   {', '.join(_core.available_isas())}",
+        f"family in use:     {_core.get_isa()}",
+        f"threads (OpenMP max): {_core.max_threads()}",
+        "threadpool_info:",
+    ]
+    print("\n".join(lines), file=out)
+    if isinstance(pools, str):
+        print(f"  {pools}", file=out)
+    else:
+        for p in pools:
+            print("  " + ", ".join(f"{k}={p[k]}" for k in ("user_api", "internal_api", "num_threads",
+                                                           "prefix", "filepath", "version") if k in p), file=out)
+
+
+def _isa_from_env():
+    name = _os.environ.get("FA2CPU_ISA", "").strip()
+    if not name:
+        return
+    try:
+        set_isa(name)
+    except (ValueError, RuntimeError) as e:
+        _warnings.warn(f"FA2CPU_ISA={name!r} ignored: {e}", RuntimeWarning, stacklevel=2)
+
+
+_isa_from_env()

@@ -1,0 +1,193 @@
+# cython: language_level=3
+"""Thin bridge from validated NumPy arrays to the C++ core: fills a Params struct with data
+pointers and element strides, releases the GIL and calls the kernel. All argument checking
+happens before this point, in fa2cpu/attention.py."""
+cimport numpy as cnp
+from libc.stdint cimport int32_t, int64_t
+from openmp cimport omp_get_max_threads
+
+from fa2cpu._cpp cimport Params
+from fa2cpu cimport _cpp as c
+
+cnp.import_array()
+
+ISA_NAMES = ("amx", "avx512bf16", "avx512", "avx2", "generic")
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+cdef inline void _strides4(cnp.ndarray a, int64_t* s):
+    """Element strides of a 4-D array view (the caller guarantees itemsize divides them)."""
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(a)
+    cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(a)
+    cdef int i
+    for i in range(4):
+        s[i] = st[i] // item
+
+
+def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse, *,
+        int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
+        double scale, double softcap, int64_t win_left, int64_t win_right,
+        object alibi, object mask, int mask_kind,
+        object cu_q, object cu_k, object seqlen_k, object block_table, int64_t block_size,
+        int num_threads, int num_splits):
+    """q, k, v, out: 4-D views in (batch, head, position, feature) order (varlen/paged views
+    described in csrc/include/fa2cpu/fa2cpu.h); lse: float32 3-D (batch, head, row) view or None;
+    alibi: float32 2-D (batch, head) view or None; mask: 4-D uint8/float32 view or None;
+    cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None."""
+    cdef Params p
+    cdef int64_t s[4]
+    cdef cnp.ndarray a
+    p.dtype = dtype
+    p.batch = batch
+    p.hq = hq
+    p.hk = hk
+    p.nq = nq
+    p.nk = nk
+    p.d = cnp.PyArray_DIM(q, 3)
+    p.dv = cnp.PyArray_DIM(v, 3)
+    p.q = cnp.PyArray_DATA(q); _strides4(q, s)
+    p.q_sb, p.q_sh, p.q_sn, p.q_sd = s[0], s[1], s[2], s[3]
+    p.k = cnp.PyArray_DATA(k); _strides4(k, s)
+    p.k_sb, p.k_sh, p.k_sn, p.k_sd = s[0], s[1], s[2], s[3]
+    p.v = cnp.PyArray_DATA(v); _strides4(v, s)
+    p.v_sb, p.v_sh, p.v_sn, p.v_sd = s[0], s[1], s[2], s[3]
+    p.out = cnp.PyArray_DATA(out); _strides4(out, s)
+    p.o_sb, p.o_sh, p.o_sn, p.o_sd = s[0], s[1], s[2], s[3]
+    p.lse = NULL
+    if lse is not None:
+        a = lse
+        p.lse = <float*>cnp.PyArray_DATA(a)
+        p.l_sb = cnp.PyArray_STRIDES(a)[0] // 4
+        p.l_sh = cnp.PyArray_STRIDES(a)[1] // 4
+        p.l_sn = cnp.PyArray_STRIDES(a)[2] // 4
+    p.scale = scale
+    p.softcap = softcap
+    p.win_left = win_left
+    p.win_right = win_right
+    p.alibi = NULL
+    if alibi is not None:
+        a = alibi
+        p.alibi = <const float*>cnp.PyArray_DATA(a)
+        p.al_sb = cnp.PyArray_STRIDES(a)[0] // 4
+        p.al_sh = cnp.PyArray_STRIDES(a)[1] // 4
+    p.mask = NULL
+    p.mask_kind = 0
+    if mask is not None:
+        a = mask
+        p.mask = cnp.PyArray_DATA(a)
+        p.mask_kind = mask_kind
+        _strides4(a, s)
+        p.m_sb, p.m_sh, p.m_sq, p.m_sk = s[0], s[1], s[2], s[3]
+    p.cu_q = NULL
+    p.cu_k = NULL
+    p.seqlen_k = NULL
+    p.block_table = NULL
+    if cu_q is not None:
+        a = cu_q
+        p.cu_q = <const int64_t*>cnp.PyArray_DATA(a)
+    if cu_k is not None:
+        a = cu_k
+        p.cu_k = <const int64_t*>cnp.PyArray_DATA(a)
+    if seqlen_k is not None:
+        a = seqlen_k
+        p.seqlen_k = <const int64_t*>cnp.PyArray_DATA(a)
+    if block_table is not None:
+        a = block_table
+        p.block_table = <const int32_t*>cnp.PyArray_DATA(a)
+        p.bt_sb = cnp.PyArray_STRIDES(a)[0] // 4
+        p.block_size = block_size
+    p.num_threads = num_threads
+    p.num_splits = num_splits
+    cdef int rc
+    with nogil:
+        rc = c.forward(p)
+    if rc != 0:
+        raise MemoryError("fa2cpu: could not allocate per-thread scratch memory")
+    return out
+
+
+def max_threads():
+    """OpenMP's current maximum for the calling thread (follows OMP_NUM_THREADS/threadpoolctl)."""
+    return omp_get_max_threads()
+
+
+def available_isas():
+    cdef int codes[8]
+    cdef int n = c.available_isas(codes)
+    return [ISA_NAMES[codes[i]] for i in range(n)]
+
+
+def compiled_isas():
+    return [ISA_NAMES[i] for i in range(len(ISA_NAMES)) if c.isa_compiled(i)]
+
+
+def get_isa():
+    return ISA_NAMES[c.get_isa()]
+
+
+def set_isa(str name):
+    """Caller validated `name` against available_isas()."""
+    c.set_isa(ISA_NAMES.index(name))
+
+
+def reset_isa():
+    c.reset_isa()
+
+
+def peak_gflops(str family, str dtype, int threads, double seconds=0.2):
+    """Measured GFLOP/s of `family`'s main multiply-add for dtype ('fp32', 'bf16', 'fp16') on
+    `threads` threads, for about `seconds`. 0.0 when the family cannot run here."""
+    if family not in ISA_NAMES:
+        raise ValueError(f"family: unknown {family!r}; expected one of {ISA_NAMES}")
+    code = {"fp32": 0, "float32": 0, "fp16": 1, "float16": 1, "bf16": 2, "bfloat16": 2}.get(dtype)
+    if code is None:
+        raise ValueError(f"dtype: unknown {dtype!r}; expected 'fp32', 'bf16' or 'fp16'")
+    if threads < 1:
+        raise ValueError("threads: must be >= 1")
+    cdef int isa = ISA_NAMES.index(family)
+    cdef int dt = code
+    cdef double r
+    with nogil:
+        r = c.peak_gflops(isa, dt, threads, seconds)
+    return r
+
+
+def read_bandwidth_gbs(int threads, int64_t nbytes=1 << 30):
+    """Measured read bandwidth (GB/s) of `threads` threads streaming a buffer of `nbytes`."""
+    if threads < 1:
+        raise ValueError("threads: must be >= 1")
+    if nbytes < 1:
+        raise ValueError("nbytes: must be >= 1")
+    cdef double r
+    with nogil:
+        r = c.read_bandwidth_gbs(threads, nbytes)
+    return r
+
+
+cdef extern from *:
+    """
+    #define FA2CPU_STR2(x) #x
+    #define FA2CPU_STR(x) FA2CPU_STR2(x)
+    #if defined(__clang__)
+    static const char* fa2cpu_compiler = "clang " __clang_version__;
+    #elif defined(__GNUC__)
+    static const char* fa2cpu_compiler = "gcc " __VERSION__;
+    #else
+    static const char* fa2cpu_compiler = "unknown";
+    #endif
+    #ifdef _OPENMP
+    static const char* fa2cpu_openmp = "OpenMP " FA2CPU_STR(_OPENMP);
+    #else
+    static const char* fa2cpu_openmp = "none";
+    #endif
+    """
+    const char* fa2cpu_compiler
+    const char* fa2cpu_openmp
+
+
+def compiler_info():
+    return fa2cpu_compiler.decode()
+
+
+def openmp_info():
+    return fa2cpu_openmp.decode()

@@ -1,0 +1,487 @@
+"""Public attention functions: argument validation and normalisation, then one call into the core.
+
+Every check happens here, before anything is written: bad input raises TypeError (wrong type or
+dtype) or ValueError (wrong shape or value) naming the argument. Nothing is copied except where
+a stride is not a multiple of the item size (exotic byte-offset views), a float mask of another
+float dtype (converted at its own, un-broadcast size) and the small index arrays.
+"""
+import math
+import numbers
+
+import ml_dtypes
+import numpy as np
+
+from . import _core
+
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
+
+# dtype -> code of the C++ DType enum (csrc/include/fa2cpu/fa2cpu.h)
+_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}
+_ACCEPTED = "float32, float16 or ml_dtypes.bfloat16"
+MAX_HEAD_DIM = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# small validators
+# ---------------------------------------------------------------------------------------------
+def _array(name, x):
+    if isinstance(x, np.ndarray):
+        return x
+    if x is None:
+        raise TypeError(f"{name}: expected a NumPy array, got None")
+    try:
+        return np.asarray(x)
+    except Exception as e:  # noqa: BLE001 - report any conversion failure as a type problem
+        raise TypeError(f"{name}: expected a NumPy array, got {type(x).__name__}") from e
+
+
+def _dtype_code(name, a):
+    code = _DTYPES.get(a.dtype)
+    if code is None:
+        raise TypeError(f"{name}: dtype {a.dtype} is not supported; expected {_ACCEPTED}")
+    return code
+
+
+def _same_dtype(ref_name, ref, **arrays):
+    for name, a in arrays.items():
+        if a.dtype != ref.dtype:
+            raise TypeError(f"{name}: dtype {a.dtype} does not match {ref_name}'s dtype {ref.dtype}; "
+                            f"q, k and v must share one dtype ({_ACCEPTED}), no implicit casts")
+
+
+def _fix_strides(a):
+    """The core addresses arrays by element strides; a byte stride that is not a multiple of the
+    item size (only possible with hand-made views) gets a contiguous copy."""
+    item = a.itemsize
+    if any(s % item for s in a.strides):
+        return np.ascontiguousarray(a)
+    return a
+
+
+def _int(name, x, minimum=None):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    x = int(x)
+    if minimum is not None and x < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {x}")
+    return x
+
+
+def _threads(num_threads):
+    """None -> OpenMP's current maximum (OMP_NUM_THREADS, threadpoolctl), else an int >= 1."""
+    if num_threads is None:
+        return max(1, _core.max_threads())
+    return _int("num_threads", num_threads, 1)
+
+
+def _head_dims(q_name, q_d, k_d, v_d):
+    if q_d != k_d:
+        raise ValueError(f"k: head dim {k_d} does not match {q_name}'s head dim {q_d}")
+    for name, d in ((q_name, q_d), ("v", v_d)):
+        if not 1 <= d <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: head dim must be in 1..{MAX_HEAD_DIM}, got {d}")
+
+
+def _heads(hq, hk, hv):
+    if hk < 1:
+        raise ValueError(f"k: needs at least one head, got {hk}")
+    if hv != hk:
+        raise ValueError(f"v: {hv} heads do not match k's {hk} heads")
+    if hq % hk:
+        raise ValueError(f"q: number of query heads {hq} is not a multiple of the number of "
+                         f"key/value heads {hk} (GQA/MQA needs Hq % Hk == 0)")
+
+
+class _Options:
+    """Score options shared by every entry point, normalised for the core."""
+    __slots__ = ("scale", "softcap", "left", "right")
+
+    def __init__(self, d, causal, scale, window, softcap):
+        if scale is None:
+            self.scale = 1.0 / math.sqrt(d)
+        else:
+            if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
+                raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+            self.scale = float(scale)
+            if not math.isfinite(self.scale):
+                raise ValueError(f"scale: must be finite, got {self.scale}")
+        if softcap is None:
+            self.softcap = 0.0
+        else:
+            if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (numbers.Real, np.floating, np.integer)):
+                raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
+            self.softcap = float(softcap)
+            if not (self.softcap >= 0.0 and math.isfinite(self.softcap)):
+                raise ValueError(f"softcap: must be a finite value >= 0 (0 or None = off), got {softcap}")
+        try:
+            left, right = window
+        except (TypeError, ValueError):
+            raise ValueError(f"window: expected a pair (left, right) of ints >= -1, got {window!r}") from None
+        left = _int("window", left)
+        right = _int("window", right)
+        if left < -1 or right < -1:
+            raise ValueError(f"window: entries must be >= -1 (-1 = unbounded), got {window!r}")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+        self.left = left
+        self.right = 0 if causal else right
+
+
+def _alibi(alibi_slopes, batch, hq):
+    """-> float32 (batch, hq) view (zero batch stride for a (hq,) input) or None."""
+    if alibi_slopes is None:
+        return None
+    a = _array("alibi_slopes", alibi_slopes)
+    if a.dtype != np.float32:
+        raise TypeError(f"alibi_slopes: dtype {a.dtype} is not supported; expected float32")
+    if a.shape == (hq,):
+        a = np.broadcast_to(a[None, :], (batch, hq))
+    elif a.shape != (batch, hq):
+        raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({batch}, {hq}), got {a.shape}")
+    return _fix_strides(a)
+
+
+def _mask(mask, shape):
+    """-> (4-D view broadcast to `shape` with zero strides, kind) with kind 1 = bool, 2 = float."""
+    if mask is None:
+        return None, 0
+    m = _array("mask", mask)
+    if m.dtype == np.bool_:
+        kind = 1
+    elif m.dtype.kind == "f" or m.dtype == ml_dtypes.bfloat16:
+        kind = 2
+        if m.dtype != np.float32:
+            m = m.astype(np.float32)  # at the mask's own (un-broadcast) size
+    else:
+        raise TypeError(f"mask: dtype {m.dtype} is not supported; expected bool (True = attend) "
+                        f"or a float dtype (added to the scores)")
+    if m.ndim > 4:
+        raise ValueError(f"mask: shape {m.shape} is not broadcastable to {shape}")
+    try:
+        m = np.broadcast_to(m, shape)
+    except ValueError:
+        raise ValueError(f"mask: shape {m.shape} is not broadcastable to {shape} "
+                         f"(batch, q heads, q length, k length)") from None
+    if kind == 1:
+        m = m.view(np.uint8)
+    return _fix_strides(m), kind
+
+
+def _out(out, shape, dtype, inputs):
+    """Validates a caller's out= array (nothing is written before all checks pass)."""
+    if out is None:
+        return np.empty(shape, dtype)
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a NumPy array, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: dtype {out.dtype} does not match the result dtype {np.dtype(dtype)}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"out: expected shape {tuple(shape)}, got {out.shape}")
+    if not out.flags.writeable:
+        raise ValueError("out: array is read-only")
+    if any(s % out.itemsize for s in out.strides):
+        raise ValueError("out: strides must be multiples of the item size")
+    if out.size and any(0 in out.strides[i:i + 1] and out.shape[i] > 1 for i in range(out.ndim)):
+        raise ValueError("out: must not have zero (broadcast) strides")
+    for name, a in inputs.items():
+        if a is not None and np.may_share_memory(out, a):
+            raise ValueError(f"out: must not overlap the input {name}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attention
+# ---------------------------------------------------------------------------------------------
+def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=None,
+                    alibi_slopes=None, mask=None, return_lse=False, layout="bhsd",
+                    num_threads=None, out=None):
+    """Exact attention ``softmax(scale * q @ k^T + bias) @ v`` with FlashAttention-2 tiling.
+
+    Parameters
+    ----------
+    q, k, v : ndarray
+        ``layout="bhsd"``: q ``(B, Hq, Nq, D)``, k ``(B, Hk, Nk, D)``, v ``(B, Hk, Nk, Dv)``
+        (PyTorch SDPA order); 3-D ``(H, N, D)`` and 2-D ``(N, D)`` inputs are also accepted.
+        ``layout="bshd"``: ``(B, N, H, D)`` (flash-attn order), 4-D only.
+        One dtype for all three: float32, float16 or ``ml_dtypes.bfloat16`` (accumulation is
+        float32). Any strides (views, negative strides, broadcast K/V) are read in place.
+        ``Hq % Hk == 0`` (GQA/MQA: query head h uses kv head ``h // (Hq // Hk)``, K/V never
+        repeated). D and Dv in 1..256.
+    causal : bool
+        Bottom-right aligned causal mask: query i sees key j iff ``j <= i + Nk - Nq``.
+    scale : float, optional
+        Score scale, default ``1/sqrt(D)``.
+    window : (int, int)
+        Sliding window ``(left, right)``, -1 = unbounded: query i sees key j iff
+        ``i + Nk - Nq - left <= j <= i + Nk - Nq + right``. ``causal=True`` sets right = 0.
+    softcap : float, optional
+        When > 0, scores become ``softcap * tanh(s / softcap)`` (after scaling, before biases).
+    alibi_slopes : float32 ndarray ``(Hq,)`` or ``(B, Hq)``, optional
+        Adds ``-slope * |i + Nk - Nq - j|`` to the scores.
+    mask : ndarray, optional
+        Broadcastable to ``(B, Hq, Nq, Nk)``: bool (True = may attend) or float (added to the
+        scores; float dtypes other than float32 are converted at the mask's own size). Read
+        through its strides, never expanded.
+    return_lse : bool
+        Also return the natural-log log-sum-exp, float32 ``(B, Hq, Nq)`` (``(Hq, Nq)`` /
+        ``(Nq,)`` for 3-D / 2-D inputs). A row that sees no key gets output 0 and LSE -inf.
+    layout : {"bhsd", "bshd"}
+    num_threads : int, optional
+        OpenMP threads; None follows OpenMP's current maximum (``OMP_NUM_THREADS``,
+        ``threadpoolctl.threadpool_limits(n, user_api="openmp")``). The GIL is released.
+    out : ndarray, optional
+        Written in place and returned; exact shape (q's with last dim Dv) and dtype.
+
+    Returns
+    -------
+    out, or ``(out, lse)`` when ``return_lse``.
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    q = _array("q", q); k = _array("k", k); v = _array("v", v)
+    dt = _dtype_code("q", q)
+    _same_dtype("q", q, k=k, v=v)
+    rank = q.ndim
+    if layout == "bshd" and rank != 4:
+        raise ValueError(f"q: layout 'bshd' needs 4-D (B, N, H, D) arrays, got shape {q.shape}")
+    if rank not in (2, 3, 4):
+        raise ValueError(f"q: expected a 2-D (N, D), 3-D (H, N, D) or 4-D array, got shape {q.shape}")
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != rank:
+            raise ValueError(f"{name}: expected a {rank}-D array like q, got shape {a.shape}")
+    # 4-D (batch, head, position, feature) views; no copies.
+    if layout == "bshd":
+        q4, k4, v4 = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    else:
+        lift = (None,) * (4 - rank)
+        q4, k4, v4 = q[lift], k[lift], v[lift]
+    B, Hq, Nq, D = q4.shape
+    _, Hk, Nk, Dk = k4.shape
+    if k4.shape[0] != B or v4.shape[0] != B:
+        bad, a = ("k", k4) if k4.shape[0] != B else ("v", v4)
+        raise ValueError(f"{bad}: batch size {a.shape[0]} does not match q's batch size {B}")
+    _heads(Hq, Hk, v4.shape[1])
+    if v4.shape[2] != Nk:
+        raise ValueError(f"v: sequence length {v4.shape[2]} does not match k's sequence length {Nk}")
+    Dv = v4.shape[3]
+    _head_dims("q", D, Dk, Dv)
+    opt = _Options(D, causal, scale, window, softcap)
+    alibi = _alibi(alibi_slopes, B, Hq)
+    mask4, mask_kind = _mask(mask, (B, Hq, Nq, Nk))
+    nt = _threads(num_threads)
+
+    out_shape = q.shape[:-1] + (Dv,)
+    out = _out(out, out_shape, q.dtype, {"q": q, "k": k, "v": v})
+    if layout == "bshd":
+        o4 = out.transpose(0, 2, 1, 3)
+    else:
+        o4 = out[(None,) * (4 - rank)]
+    lse = np.empty((B, Hq, Nq), np.float32) if return_lse else None
+    _core.run(_fix_strides(q4), _fix_strides(k4), _fix_strides(v4), o4, lse,
+              dtype=dt, batch=B, hq=Hq, hk=Hk, nq=Nq, nk=Nk,
+              scale=opt.scale, softcap=opt.softcap, win_left=opt.left, win_right=opt.right,
+              alibi=alibi, mask=mask4, mask_kind=mask_kind,
+              cu_q=None, cu_k=None, seqlen_k=None, block_table=None, block_size=0,
+              num_threads=nt, num_splits=0)
+    if not return_lse:
+        return out
+    return out, lse.reshape(q.shape[:-3] + (Hq, Nq) if rank >= 3 else (Nq,))
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attention_varlen
+# ---------------------------------------------------------------------------------------------
+def _cu_seqlens(name, cu, total):
+    cu = _array(name, cu)
+    if cu.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name}: dtype {cu.dtype} is not supported; expected int32 or int64")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name}: expected a 1-D array of shape (B+1,), got shape {cu.shape}")
+    cu = np.ascontiguousarray(cu, dtype=np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {cu[0]}")
+    if np.any(np.diff(cu) < 0):
+        raise ValueError(f"{name}: must be non-decreasing")
+    if cu[-1] != total:
+        raise ValueError(f"{name}: last entry {cu[-1]} does not equal the total number of rows {total}")
+    return cu
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                           max_seqlen_k=None, causal=False, scale=None, window=(-1, -1),
+                           softcap=None, alibi_slopes=None, return_lse=False,
+                           num_threads=None, out=None):
+    """Attention over packed ragged sequences (what a server's prefill step sends).
+
+    q ``(total_q, Hq, D)``, k ``(total_k, Hk, D)``, v ``(total_k, Hk, Dv)``; sequence b uses rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v.
+    ``cu_seqlens_*``: int32/int64 ``(B+1,)``, starting at 0, non-decreasing, last = total.
+    Empty sequences are allowed. Causal/window/alibi are aligned per sequence (bottom-right).
+    ``max_seqlen_*`` are optional; when given they must be >= the longest sequence.
+    Other arguments as in :func:`flash_attention`. Returns ``out (total_q, Hq, Dv)`` or
+    ``(out, lse)`` with lse float32 ``(Hq, total_q)``.
+    """
+    q = _array("q", q); k = _array("k", k); v = _array("v", v)
+    dt = _dtype_code("q", q)
+    _same_dtype("q", q, k=k, v=v)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 3:
+            raise ValueError(f"{name}: expected a 3-D (total, H, D) array, got shape {a.shape}")
+    Tq, Hq, D = q.shape
+    Tk, Hk, Dk = k.shape
+    if v.shape[0] != Tk:
+        raise ValueError(f"v: {v.shape[0]} rows do not match k's {Tk} rows")
+    _heads(Hq, Hk, v.shape[1])
+    Dv = v.shape[2]
+    _head_dims("q", D, Dk, Dv)
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq)
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_k: shape {cu_k.shape} does not match cu_seqlens_q's shape {cu_q.shape}")
+    B = cu_q.shape[0] - 1
+    for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        if given is not None:
+            given = _int(name, given, 0)
+            longest = int(np.diff(cu).max()) if B else 0
+            if given < longest:
+                raise ValueError(f"{name}: {given} is shorter than the longest sequence ({longest})")
+    opt = _Options(D, causal, scale, window, softcap)
+    alibi = _alibi(alibi_slopes, B, Hq)
+    nt = _threads(num_threads)
+    out = _out(out, (Tq, Hq, Dv), q.dtype, {"q": q, "k": k, "v": v})
+    lse = np.empty((Hq, Tq), np.float32) if return_lse else None
+    view = lambda a: _fix_strides(a.transpose(1, 0, 2)[None])  # noqa: E731 - (1, H, total, D)
+    _core.run(view(q), view(k), view(v), out.transpose(1, 0, 2)[None],
+              None if lse is None else lse[None],
+              dtype=dt, batch=B, hq=Hq, hk=Hk, nq=0, nk=0,
+              scale=opt.scale, softcap=opt.softcap, win_left=opt.left, win_right=opt.right,
+              alibi=alibi, mask=None, mask_kind=0,
+              cu_q=cu_q, cu_k=cu_k, seqlen_k=None, block_table=None, block_size=0,
+              num_threads=nt, num_splits=0)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attention_with_kvcache
+# ---------------------------------------------------------------------------------------------
+def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
+                                 block_table=None, causal=False, scale=None, window=(-1, -1),
+                                 softcap=None, alibi_slopes=None, return_lse=False,
+                                 num_splits=0, num_threads=None, out=None):
+    """Attention of new queries against a KV cache (decode / chunked prefill), flash-attn layout.
+
+    q ``(B, Nq, Hq, D)``. Contiguous cache: ``k_cache (B, Ncap, Hk, D)``, ``v_cache (B, Ncap, Hk, Dv)``.
+    Paged cache: ``k_cache (num_blocks, block_size, Hk, D)`` with ``block_table`` int32
+    ``(B, max_blocks)``: position p of sequence b is row ``p % block_size`` of block
+    ``block_table[b, p // block_size]`` (entries past a sequence's length are never read).
+    ``cache_seqlens``: int or int32/int64 ``(B,)``, tokens already valid (default: full capacity).
+    ``k``, ``v`` ``(B, Nnew, Hk, D|Dv)``, if given, are first written **in place** into the cache at
+    positions ``cache_seqlens[b] .. + Nnew - 1``; attention then covers ``[0, cache_seqlens[b] + Nnew)``.
+    If that exceeds the capacity a ValueError is raised and the cache is left untouched;
+    ``cache_seqlens`` itself is never modified. Masks are bottom-right aligned per sequence.
+    ``num_splits``: 0 = split the key axis automatically for parallel decode (flash-decoding),
+    1 = never, n = n splits; results agree up to float rounding. Other arguments as in
+    :func:`flash_attention`. Returns ``out (B, Nq, Hq, Dv)`` or ``(out, lse)`` with lse ``(B, Hq, Nq)``.
+    """
+    q = _array("q", q); k_cache = _array("k_cache", k_cache); v_cache = _array("v_cache", v_cache)
+    dt = _dtype_code("q", q)
+    _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.ndim != 4:
+            raise ValueError(f"{name}: expected a 4-D array, got shape {a.shape}")
+    B, Nq, Hq, D = q.shape
+    nb, rows, Hk, Dk = k_cache.shape
+    if v_cache.shape[:2] != (nb, rows):
+        raise ValueError(f"v_cache: shape {v_cache.shape} does not match k_cache's leading dims {(nb, rows)}")
+    _heads(Hq, Hk, v_cache.shape[2])
+    Dv = v_cache.shape[3]
+    _head_dims("q", D, Dk, Dv)
+    if not k_cache.flags.writeable and k is not None:
+        raise ValueError("k_cache: array is read-only but k/v are to be appended")
+
+    if block_table is not None:
+        bt = _array("block_table", block_table)
+        if bt.dtype != np.int32:
+            raise TypeError(f"block_table: dtype {bt.dtype} is not supported; expected int32")
+        if bt.ndim != 2 or bt.shape[0] != B:
+            raise ValueError(f"block_table: expected shape ({B}, max_blocks), got {bt.shape}")
+        if rows < 1:
+            raise ValueError("k_cache: block size (dim 1) must be >= 1")
+        capacity = bt.shape[1] * rows
+    else:
+        bt = None
+        if nb != B:
+            raise ValueError(f"k_cache: batch size {nb} does not match q's batch size {B} "
+                             f"(pass block_table for a paged cache)")
+        capacity = rows
+
+    nnew = 0
+    if (k is None) != (v is None):
+        raise ValueError("k, v: give both new keys and new values, or neither")
+    if k is not None:
+        k = _array("k", k); v = _array("v", v)
+        _same_dtype("q", q, k=k, v=v)
+        if k.ndim != 4 or k.shape[0] != B or k.shape[2:] != (Hk, D):
+            raise ValueError(f"k: expected shape ({B}, Nnew, {Hk}, {D}), got {k.shape}")
+        nnew = k.shape[1]
+        if v.shape != (B, nnew, Hk, Dv):
+            raise ValueError(f"v: expected shape {(B, nnew, Hk, Dv)}, got {v.shape}")
+
+    if cache_seqlens is None:
+        seqlens = np.full(B, capacity - nnew, np.int64)
+        if nnew and capacity - nnew < 0:
+            raise ValueError(f"k: {nnew} new tokens exceed the cache capacity {capacity}")
+        if nnew:
+            raise ValueError("cache_seqlens: required when appending k/v (the default means a full cache)")
+    elif isinstance(cache_seqlens, (numbers.Integral, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        seqlens = np.full(B, int(cache_seqlens), np.int64)
+    else:
+        cs = _array("cache_seqlens", cache_seqlens)
+        if cs.dtype not in (np.int32, np.int64):
+            raise TypeError(f"cache_seqlens: dtype {cs.dtype} is not supported; expected an int or int32 (B,)")
+        if cs.shape != (B,):
+            raise ValueError(f"cache_seqlens: expected shape ({B},), got {cs.shape}")
+        seqlens = cs.astype(np.int64)
+    if B and seqlens.min() < 0:
+        raise ValueError(f"cache_seqlens: entries must be >= 0, got {int(seqlens.min())}")
+    total = seqlens + nnew
+    if B and total.max() > capacity:
+        raise ValueError(f"cache_seqlens: cache_seqlens + {nnew} new tokens = {int(total.max())} "
+                         f"exceeds the cache capacity {capacity}; the cache was left unchanged")
+    if bt is not None and B:
+        used = (total + rows - 1) // rows  # blocks each sequence reads
+        cols = np.arange(bt.shape[1])
+        sel = cols[None, :] < used[:, None]
+        vals = bt[sel]
+        if vals.size and (vals.min() < 0 or vals.max() >= nb):
+            raise ValueError(f"block_table: entries used by the sequences must be in [0, {nb}), "
+                             f"got values in [{int(vals.min())}, {int(vals.max())}]")
+
+    opt = _Options(D, causal, scale, window, softcap)
+    alibi = _alibi(alibi_slopes, B, Hq)
+    nt = _threads(num_threads)
+    splits = _int("num_splits", num_splits, 0)
+    out = _out(out, (B, Nq, Hq, Dv), q.dtype,
+               {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
+
+    if nnew:  # append in place (all checks passed)
+        pos = seqlens[:, None] + np.arange(nnew)[None, :]                # (B, Nnew)
+        if bt is None:
+            bidx = np.broadcast_to(np.arange(B)[:, None], pos.shape)
+            k_cache[bidx, pos] = k
+            v_cache[bidx, pos] = v
+        else:
+            blk = bt[np.arange(B)[:, None], pos // rows]
+            k_cache[blk, pos % rows] = k
+            v_cache[blk, pos % rows] = v
+
+    lse = np.empty((B, Hq, Nq), np.float32) if return_lse else None
+    _core.run(_fix_strides(q.transpose(0, 2, 1, 3)), _fix_strides(k_cache.transpose(0, 2, 1, 3)),
+              _fix_strides(v_cache.transpose(0, 2, 1, 3)), out.transpose(0, 2, 1, 3), lse,
+              dtype=dt, batch=B, hq=Hq, hk=Hk, nq=Nq, nk=capacity,
+              scale=opt.scale, softcap=opt.softcap, win_left=opt.left, win_right=opt.right,
+              alibi=alibi, mask=None, mask_kind=0,
+              cu_q=None, cu_k=None, seqlen_k=np.ascontiguousarray(total, np.int64),
+              block_table=None if bt is None else np.ascontiguousarray(bt), block_size=rows,
+              num_threads=nt, num_splits=splits)
+    return (out, lse) if return_lse else out

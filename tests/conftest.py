@@ -1,0 +1,129 @@
+"""Shared test machinery: the ISA fixture, the one tolerance table, input helpers.
+
+Test modules import helpers with ``from conftest import ...`` (pytest puts this folder on
+sys.path, the default "prepend" import mode).
+"""
+
+import importlib.util
+import pathlib
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_reference():
+    """fa2cpu._reference, even when the compiled package does not import (oracle tests need no build)."""
+    try:
+        from fa2cpu import _reference
+        return _reference
+    except ImportError:
+        spec = importlib.util.spec_from_file_location("fa2cpu_reference", REPO / "fa2cpu" / "_reference.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+ref = _load_reference()
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances: the ONE table. Kernel output vs the float64 reference computed from the same
+# (already rounded) inputs, for outputs of magnitude ~1 (inputs ~ N(0, 1)).
+#   float32:  fp32 accumulation + polynomial exp2 (~1-2 ulp) over up to ~1000 keys and D <= 256:
+#             observed error ~1e-6; 2e-5 leaves room for long reductions and the LSE (~log N + max).
+#   float16:  output rounded to fp16 (half-ulp 2^-11 ~ 4.9e-4 relative), plus P possibly rounded
+#             to fp16 before the PV product: a few half-ulps, 4e-3.
+#   bfloat16: output rounded to bf16 (half-ulp 2^-9 ~ 2e-3 relative) and P / scaled Q commonly
+#             rounded to bf16 before the dot-product instructions (another ~2^-9 each): 2e-2.
+# The LSE is float32 in every dtype; it inherits the score error (scores rounded in bf16 when
+# Q is pre-scaled in bf16), hence the same table applies to it.
+# ---------------------------------------------------------------------------------------------
+TOL = {
+    "float32": dict(atol=2e-5, rtol=2e-5),
+    "float16": dict(atol=4e-3, rtol=4e-3),
+    "bfloat16": dict(atol=2e-2, rtol=2e-2),
+}
+
+DTYPES = ["float32", "float16", "bfloat16"]
+NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+             "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def dtype_name(dtype):
+    dtype = np.dtype(dtype)
+    for name, dt in NP_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise KeyError(dtype)
+
+
+def check_close(actual, ref_value, dtype, what="out"):
+    """Assert ``actual`` (any float dtype) matches the float64 ``ref_value`` within TOL[dtype].
+
+    -inf must sit exactly where the reference has -inf (rows that see no key); NaN anywhere in
+    ``actual`` that the reference lacks is a failure.
+    """
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    a = np.asarray(actual).astype(np.float64)
+    r = np.asarray(ref_value, dtype=np.float64)
+    assert a.shape == r.shape, f"{what}: shape {a.shape} != reference {r.shape}"
+    np.testing.assert_allclose(a, r, err_msg=f"{what} ({name})", **TOL[name])
+
+
+def arg(name):
+    """Regex matching an argument name as a whole word (so 'k' does not match inside 'mask')."""
+    return rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])"
+
+
+def rand(rng, shape, dtype="float32", scale=1.0):
+    """Normal(0, scale) values rounded to ``dtype`` (name or numpy dtype)."""
+    dt = NP_DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(dt)
+
+
+def qkv(rng, B, Hq, Hk, Nq, Nk, D, Dv=None, dtype="float32", layout="bhsd"):
+    """Random q, k, v in ``layout`` (4-D)."""
+    Dv = D if Dv is None else Dv
+    if layout == "bhsd":
+        shapes = (B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, Dv)
+    else:
+        shapes = (B, Nq, Hq, D), (B, Nk, Hk, D), (B, Nk, Hk, Dv)
+    return tuple(rand(rng, s, dtype) for s in shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------
+
+def _usable_isas():
+    try:
+        import fa2cpu
+        return list(fa2cpu.available_isas())
+    except (ImportError, AttributeError) as exc:  # collection must still work so the oracle tests run
+        return [f"fa2cpu-unusable:{type(exc).__name__}"]
+
+
+ISAS = _usable_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Run the test once per usable kernel family; proves that dispatch switched to it."""
+    import fa2cpu
+    name = request.param
+    fa2cpu.set_isa(name)
+    try:
+        assert fa2cpu.get_isa() == name
+        yield name
+    finally:
+        fa2cpu.set_isa(None)
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test id, so every test case gets its own reproducible inputs."""
+    import zlib
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

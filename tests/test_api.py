@@ -1,0 +1,144 @@
+"""Introspection and control: ISA vocabulary and selection, FA2CPU_ISA, show_config, __version__,
+and the public signatures fixed by API.md."""
+
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fa2cpu
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+VOCABULARY = ["amx", "avx512bf16", "avx512", "avx2", "generic"]
+
+
+def test_available_isas_vocabulary_and_order():
+    isas = fa2cpu.available_isas()
+    assert isinstance(isas, list) and all(isinstance(x, str) for x in isas)
+    assert set(isas) <= set(VOCABULARY), isas
+    assert len(set(isas)) == len(isas), "duplicates"
+    assert isas == sorted(isas, key=VOCABULARY.index), "not best first"
+    assert isas[-1] == "generic"
+
+
+def test_available_isas_returns_a_fresh_list():
+    a = fa2cpu.available_isas()
+    a.append("bogus")
+    assert "bogus" not in fa2cpu.available_isas()
+
+
+@pytest.mark.skipif("FA2CPU_ISA" in os.environ, reason="FA2CPU_ISA overrides the automatic choice")
+def test_default_isa_is_best_available():
+    fa2cpu.set_isa(None)
+    assert fa2cpu.get_isa() == fa2cpu.available_isas()[0]
+
+
+def test_set_isa_each_family_and_restore():
+    auto = fa2cpu.get_isa()
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 9, 16), dtype=np.float32)
+    try:
+        for name in fa2cpu.available_isas():
+            fa2cpu.set_isa(name)
+            assert fa2cpu.get_isa() == name
+            assert fa2cpu.flash_attention(q, q, q).shape == q.shape
+    finally:
+        fa2cpu.set_isa(None)
+    assert fa2cpu.get_isa() == auto
+
+
+def _child(code, **env):
+    e = dict(os.environ)
+    e.pop("FA2CPU_ISA", None)
+    e.update(env)
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=e, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.strip()
+
+
+@pytest.mark.parametrize("name", fa2cpu.available_isas())
+def test_env_var_selects_isa_at_import(name):
+    code = ("import fa2cpu, numpy as np; q = np.ones((1, 1, 3, 4), np.float32); "
+            "fa2cpu.flash_attention(q, q, q); print(fa2cpu.get_isa())")
+    assert _child(code, FA2CPU_ISA=name).splitlines()[-1] == name
+
+
+def test_env_var_absent_gives_best():
+    out = _child("import fa2cpu; print(fa2cpu.get_isa(), fa2cpu.available_isas()[0])")
+    got, best = out.splitlines()[-1].split()
+    assert got == best
+
+
+def test_show_config(capsys):
+    fa2cpu.show_config()
+    text = capsys.readouterr().out
+    low = text.lower()
+    assert fa2cpu.__version__ in text
+    for name in fa2cpu.available_isas():
+        assert name in text
+    assert fa2cpu.get_isa() in text
+    assert "compiler" in low
+    assert "openmp" in low
+    assert "thread" in low
+    # threadpoolctl.threadpool_info() is reported: its openmp entry names a library file
+    import threadpoolctl
+    infos = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "openmp"]
+    assert infos, "no OpenMP runtime visible to threadpoolctl"
+    assert any(os.path.basename(i["filepath"]) in text for i in infos), "threadpool_info() not shown"
+
+
+def test_version():
+    v = fa2cpu.__version__
+    assert isinstance(v, str) and re.match(r"^\d+\.\d+(\.\d+)?", v), v
+    try:
+        from importlib.metadata import version
+        assert version("fa2cpu") == v
+    except ImportError:
+        pass
+
+
+def _params(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+P, K = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+E = inspect.Parameter.empty
+
+API = {
+    "flash_attention": [
+        ("q", P, E), ("k", P, E), ("v", P, E), ("causal", K, False), ("scale", K, None),
+        ("window", K, (-1, -1)), ("softcap", K, None), ("alibi_slopes", K, None), ("mask", K, None),
+        ("return_lse", K, False), ("layout", K, "bhsd"), ("num_threads", K, None), ("out", K, None)],
+    "flash_attention_varlen": [
+        ("q", P, E), ("k", P, E), ("v", P, E), ("cu_seqlens_q", P, E), ("cu_seqlens_k", P, E),
+        ("max_seqlen_q", K, None), ("max_seqlen_k", K, None), ("causal", K, False), ("scale", K, None),
+        ("window", K, (-1, -1)), ("softcap", K, None), ("alibi_slopes", K, None),
+        ("return_lse", K, False), ("num_threads", K, None), ("out", K, None)],
+    "flash_attention_with_kvcache": [
+        ("q", P, E), ("k_cache", P, E), ("v_cache", P, E), ("k", P, None), ("v", P, None),
+        ("cache_seqlens", K, None), ("block_table", K, None), ("causal", K, False), ("scale", K, None),
+        ("window", K, (-1, -1)), ("softcap", K, None), ("alibi_slopes", K, None),
+        ("return_lse", K, False), ("num_splits", K, 0), ("num_threads", K, None), ("out", K, None)],
+    "flash_attention_backward": [
+        ("dout", P, E), ("q", P, E), ("k", P, E), ("v", P, E), ("out", P, E), ("lse", P, E),
+        ("causal", K, False), ("scale", K, None), ("window", K, (-1, -1)), ("softcap", K, None),
+        ("alibi_slopes", K, None), ("layout", K, "bhsd"), ("num_threads", K, None)],
+}
+
+
+@pytest.mark.parametrize("name", list(API))
+def test_signature(name):
+    if not hasattr(fa2cpu, name):
+        pytest.fail(f"fa2cpu.{name} is missing")
+    got = _params(getattr(fa2cpu, name))
+    want = API[name]
+    # Adding keyword-only options is allowed: the fixed ones come first, in order, with their defaults.
+    assert got[:len(want)] == want
+    assert all(kind == K for _, kind, _ in got[len(want):])
+    assert getattr(fa2cpu, name).__doc__, "public functions need a docstring"

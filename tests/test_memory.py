@@ -1,0 +1,60 @@
+"""Extra memory is O(N*D): a 32k x 32k attention (and a broadcast 16k x 16k mask) stays far below
+the 4 GiB an N x N float32 score matrix would take.
+
+Each case runs in a fresh interpreter: inputs are allocated and one tiny warm-up call made before
+the baseline peak RSS (VmHWM) is read, then the growth of the peak during the big call is the
+extra memory the call needed (output included).
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LIMIT_MIB = 256
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import fa2cpu
+
+    def hwm_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+
+    n, d, causal, mask_kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(3))
+    mask = None
+    if mask_kind == "bool":
+        mask = np.broadcast_to(rng.random(n) < 0.9, (1, 1, n, n))
+    elif mask_kind == "float":
+        mask = np.broadcast_to(rng.standard_normal(n, dtype=np.float32), (1, 1, n, n))
+    small = [x[:, :, :64] for x in (q, k, v)]
+    fa2cpu.flash_attention(*small, causal=causal, mask=None if mask is None else mask[:, :, :64, :64])
+    base = hwm_kib()
+    out = fa2cpu.flash_attention(q, k, v, causal=causal, mask=mask)
+    peak = hwm_kib()
+    ok = bool(np.isfinite(out).all())
+    print(json.dumps({"extra_mib": (peak - base) / 1024, "finite": ok}))
+""")
+
+
+@pytest.mark.parametrize("n,d,causal,mask", [
+    (32768, 64, False, "none"),
+    (32768, 64, True, "none"),
+    (16384, 64, False, "bool"),   # expanding this mask would take 256 MiB
+    (16384, 64, True, "float"),   # expanding this one, 1 GiB
+], ids=["32k", "32k-causal", "16k-bool-mask", "16k-float-mask"])
+def test_peak_memory(n, d, causal, mask):
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(n), str(d), "1" if causal else "0", mask],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["finite"]
+    assert info["extra_mib"] < LIMIT_MIB, f"peak grew by {info['extra_mib']:.0f} MiB"

@@ -1,0 +1,163 @@
+"""Threads: answers independent of the thread count, threadpoolctl respected, concurrent Python
+threads safe, the GIL released during compute."""
+
+import os
+import resource
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import threadpoolctl
+
+import fa2cpu
+from conftest import DTYPES, NP_DTYPES, check_close, qkv, rand, ref
+
+# (Nq, Nk, Hq, Hk, causal): prefill, decode (where a library may split the key axis), GQA.
+THREAD_CASES = [(257, 257, 3, 3, True), (1, 1031, 4, 2, False), (65, 700, 4, 1, True)]
+
+
+def _same(a, b, dtype):
+    """Bitwise, or within float rounding of the output dtype (a kv-split may change with threads)."""
+    eps = float(np.finfo(NP_DTYPES[dtype]).eps)
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                               rtol=2 * eps, atol=2 * eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", THREAD_CASES, ids=["prefill", "decode", "gqa"])
+def test_thread_count_does_not_change_results(isa, rng, dtype, case):
+    Nq, Nk, Hq, Hk, causal = case
+    q, k, v = qkv(rng, 2, Hq, Hk, Nq, Nk, 64, dtype=dtype)
+    results = {n: fa2cpu.flash_attention(q, k, v, causal=causal, num_threads=n, return_lse=True)
+               for n in (1, 2, 3, 8)}
+    for n in (2, 3, 8):
+        _same(results[n][0], results[1][0], dtype)
+        _same(results[n][1], results[1][1], "float32")
+    r_out, r_lse = ref.attention_ref(q, k, v, causal=causal)
+    check_close(results[1][0], r_out, dtype)
+    check_close(results[1][1], r_lse, dtype, "lse")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threadpool_limits_openmp(isa, rng, dtype):
+    q, k, v = qkv(rng, 1, 4, 4, 200, 300, 64, dtype=dtype)
+    one = fa2cpu.flash_attention(q, k, v, causal=True, num_threads=1)
+    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+        limited = fa2cpu.flash_attention(q, k, v, causal=True)
+    free = fa2cpu.flash_attention(q, k, v, causal=True)
+    _same(limited, one, dtype)
+    _same(free, one, dtype)
+
+
+def test_threadpoolctl_sees_openmp():
+    """The extension's OpenMP runtime is visible to threadpoolctl (so its limits can apply)."""
+    info = threadpoolctl.threadpool_info()
+    assert any(i.get("user_api") == "openmp" for i in info), info
+
+
+def _cpu_per_wall(fn):
+    """Process CPU seconds per wall second while fn runs (>1 means several threads computed)."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    fn()
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return cpu / (t1 - t0)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_threadpool_limit_is_respected_cpu_time():
+    """Under threadpool_limits(1), the process uses at most ~1 CPU-second per second of compute;
+    with num_threads=2 it uses clearly more (this proves the measurement can see threads)."""
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, 1, 8, 8, 1024, 1024, 64)
+
+    def work():
+        for _ in range(3):
+            fa2cpu.flash_attention(q, k, v)
+
+    work()  # warm the thread pool and scratch
+    with threadpoolctl.threadpool_limits(1, user_api="openmp"):
+        limited = _cpu_per_wall(work)
+    two = _cpu_per_wall(lambda: [fa2cpu.flash_attention(q, k, v, num_threads=2) for _ in range(3)])
+    assert limited < 1.3, f"threadpool_limits(1) ignored: {limited:.2f} CPU s per wall s"
+    assert two > 1.3, f"num_threads=2 did not use two CPUs: {two:.2f} CPU s per wall s"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_concurrent_python_threads(isa, dtype):
+    """8 Python threads call at once with different inputs and options; each matches the oracle."""
+    n = 8
+    rng = np.random.default_rng(42)
+    jobs = []
+    for i in range(n):
+        Nq, Nk = [(1, 500), (70, 70), (129, 33), (64, 257)][i % 4]
+        q, k, v = qkv(rng, 1, 4, (1, 2, 4)[i % 3], Nq, Nk, (32, 64, 80)[i % 3], dtype=dtype)
+        kw = dict(causal=bool(i % 2), num_threads=(None, 1, 2)[i % 3])
+        if i % 4 == 3:
+            kw["mask"] = rng.random((Nq, Nk)) < 0.8
+        jobs.append((q, k, v, kw))
+    barrier = threading.Barrier(n)
+
+    def call(job):
+        q, k, v, kw = job
+        barrier.wait()
+        return [fa2cpu.flash_attention(q, k, v, return_lse=True, **kw) for _ in range(3)]
+
+    with ThreadPoolExecutor(n) as ex:
+        results = list(ex.map(call, jobs))
+    for (q, k, v, kw), reps in zip(jobs, results):
+        kw = {a: b for a, b in kw.items() if a != "num_threads"}
+        r_out, r_lse = ref.attention_ref(q, k, v, **kw)
+        for out, lse in reps:
+            check_close(out, r_out, dtype)
+            check_close(lse, r_lse, dtype, "lse")
+
+
+def test_gil_released_during_compute():
+    """While one thread runs a long flash_attention call, a pure-Python thread keeps running."""
+    rng = np.random.default_rng(1)
+    q, k, v = qkv(rng, 1, 4, 4, 2048, 2048, 64)
+    t0 = time.perf_counter()
+    fa2cpu.flash_attention(q, k, v, num_threads=1)
+    single = time.perf_counter() - t0
+    if single < 0.2:  # grow the heads so one call lasts >= ~0.2 s: a held GIL must show as a stall
+        heads = min(64, int(np.ceil(4 * 0.2 / max(single, 1e-3))))
+        q, k, v = qkv(rng, 1, heads, heads, 2048, 2048, 64)
+    reps = 2
+
+    state = {"running": False, "done": False, "max_gap": 0.0, "ticks": 0}
+
+    def counter():
+        last = time.perf_counter()
+        while not state["done"]:
+            now = time.perf_counter()
+            if state["running"]:
+                state["max_gap"] = max(state["max_gap"], now - last)
+                state["ticks"] += 1
+            last = now
+
+    def worker():
+        state["running"] = True
+        start = time.perf_counter()
+        for _ in range(reps):
+            fa2cpu.flash_attention(q, k, v, num_threads=1)
+        state["elapsed"] = time.perf_counter() - start
+        state["running"] = False
+
+    c = threading.Thread(target=counter)
+    c.start()
+    try:
+        time.sleep(0.05)
+        w = threading.Thread(target=worker)
+        w.start()
+        w.join()
+    finally:
+        state["done"] = True
+        c.join()
+    per_call = state["elapsed"] / reps
+    # With the GIL held, the counter would stall for a whole call; allow scheduler noise.
+    assert state["max_gap"] < max(0.5 * per_call, 0.03), (
+        f"Python thread stalled {state['max_gap']:.3f}s during calls of {per_call:.3f}s")
+    assert state["ticks"] > 1000
