@@ -25,6 +25,7 @@ One document::
 
 MACHINE: cpu_model, cpu_vendor, cpu_family, cpu_model_id, logical_cpus, l3_bytes, cpu_flags (SIMD
   subset of /proc/cpuinfo), isa_usable (best first), isa_default, python, platform,
+  busy_cpus_before (CPUs that other processes kept busy just before the run),
   versions {fa2cpu, numpy, ml_dtypes, torch (null if absent)},
   peaks [{family, dtype, threads, gflops}], read_bandwidth [{threads, nbytes, gbs}].
 
@@ -103,6 +104,9 @@ DEFAULT_NUMPY_MAX_MIB = 1024  # the naive baseline materialises B*Hq*Nq*Nk fp32 
 # purpose: it catches wrong answers, not rounding differences between implementations.
 TOLERANCES = {"fp32": (1e-4, 1e-3), "fp16": (2e-3, 1e-2), "bf16": (1e-2, 5e-2)}
 
+# OpenBLAS worker threads busy-wait for ~0.1 s after a multi-threaded call; measured here, they
+# halve the speed of whatever runs next on 2 cores. Pause that long after the NumPy baseline.
+SETTLE_AFTER_BLAS_S = 0.2
 MIN_SAMPLE_S = 2e-3           # calls shorter than this are repeated inside one timed sample
 MAX_CALLS_PER_SAMPLE = 1000
 REFERENCE_CHUNK_BYTES = 64 << 20   # score-matrix slice of the untimed chunked NumPy reference
@@ -251,6 +255,24 @@ def _l3_bytes() -> int | None:
     return None
 
 
+def busy_cpus(interval: float = 0.1) -> float | None:
+    """CPUs kept busy by other processes over `interval` (this one sleeps meanwhile), from
+    /proc/stat; None off Linux. A benchmark sharing its cores gives noisy numbers."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]   # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 == total0:
+        return None
+    return logical_cpus() * (1 - (idle1 - idle0) / (total1 - total0))
+
+
 def logical_cpus() -> int:
     with contextlib.suppress(AttributeError):
         return len(os.sched_getaffinity(0))
@@ -293,6 +315,7 @@ def machine_info(torch) -> dict:
         "versions": {"fa2cpu": fa2cpu.__version__, "numpy": np.__version__,
                      "ml_dtypes": ml_dtypes.__version__,
                      "torch": torch.__version__ if torch is not None else None},
+        "busy_cpus_before": busy_cpus(),
         "peaks": [],
         "read_bandwidth": [],
     }
@@ -737,6 +760,8 @@ def run_one(sweep: Sweep, case: Case, impl: str, threads: int, make_runner,
         rec.api, rec.note = runner.api, runner.note
         with runner.limits():
             timing, raw = measure(runner.call, sweep.warmup, sweep.repeat)
+        if impl == "numpy" and threads > 1:
+            time.sleep(SETTLE_AFTER_BLAS_S)
         rec.times_s, rec.calls_per_sample = timing.times_s, timing.calls_per_sample
         out = runner.result(raw)
     except (KeyboardInterrupt, SystemExit):
@@ -843,6 +868,10 @@ def format_header(machine: dict, sweep: Sweep, threads: list[int], dtypes: list[
     if bws:
         lines.append("Memory:   read bandwidth " + ", ".join(
             f"{b['gbs']:.1f} GB/s ({b['threads']} thr)" for b in bws))
+    busy = machine["busy_cpus_before"]
+    if busy is not None and busy >= 0.25:
+        lines.append(f"WARNING:  other processes kept {busy:.1f} of {machine['logical_cpus']} CPUs busy "
+                     "just before this run: timings will be noisy")
     lines.append(f"Timing:   median of {sweep.repeat} samples after {sweep.warmup} warm-up call(s), "
                  f"[min..max]; inputs uniform, seed {sweep.seed}")
     return "\n".join(lines)
@@ -872,7 +901,7 @@ def format_results(records: list[Record], mode: str, baselines: list[str], sever
     left = len(headers)
     headers += ["median ms", "[min..max]", "GFLOP/s"]
     headers += ["GB/s", "%bw"] if decode else ["%peak"]
-    headers += [f"x{b}" for b in baselines] + ["max err", "check", ""]
+    headers += [f"vs {b}" for b in baselines] + ["max err", "check", ""]
     rows, previous = [], None
     for r in records:
         group = (r.case, r.threads)
@@ -991,6 +1020,16 @@ def write_json(path: str, records: list[Record], machine: dict, argv: list[str],
         f.write("\n")
 
 
+def _line_style(label: str) -> str:
+    return "-" if label.startswith("fa2cpu") else "--"
+
+
+def _log2_axis(ax, ticks: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+
+
 def write_plot(path: str, records: list[Record], machine: dict) -> None:
     """GFLOP/s (decode: GB/s) against sequence length per implementation at the largest thread
     count, one panel per (mode, dtype, causal); a second row of panels with thread scaling (largest
@@ -1000,7 +1039,8 @@ def write_plot(path: str, records: list[Record], machine: dict) -> None:
     ok = [r for r in records if r.ok]
     if not ok:
         raise BenchError("nothing was measured, so there is nothing to plot")
-    groups = sorted({(r.case.mode, r.case.dtype, r.case.causal) for r in ok})
+    groups = list(dict.fromkeys((r.case.mode, r.case.dtype, r.case.causal)
+                                for r in sorted(ok, key=lambda r: MODES.index(r.case.mode))))
     thread_counts = sorted({r.threads for r in ok})
     ncols = min(3, len(groups))
     block = math.ceil(len(groups) / ncols)
@@ -1019,8 +1059,9 @@ def write_plot(path: str, records: list[Record], machine: dict) -> None:
         for label in dict.fromkeys(r.label for r in rows):
             pts = sorted((r.case.x_value, rate(r)) for r in rows
                          if r.label == label and r.threads == thread_counts[-1])
-            ax.plot(*zip(*pts), marker="o", label=label)
-        ax.set_xscale("log", base=2)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label, linestyle=_line_style(label))
+        _log2_axis(ax, sorted({r.case.x_value for r in rows}))
         ax.set_xlabel("Nk (KV cache length)" if mode == "decode" else "sequence length")
         ax.set_ylabel(f"{unit}, {thread_counts[-1]} threads")
         ax.set_title(title, fontsize=10)
@@ -1033,9 +1074,8 @@ def write_plot(path: str, records: list[Record], machine: dict) -> None:
             for label in dict.fromkeys(r.label for r in rows):
                 pts = sorted((r.threads, rate(r)) for r in rows
                              if r.label == label and r.case.x_value == longest)
-                ax.plot(*zip(*pts), marker="o", label=label)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(thread_counts, [str(t) for t in thread_counts])
+                ax.plot(*zip(*pts), marker="o", label=label, linestyle=_line_style(label))
+            _log2_axis(ax, thread_counts)
             ax.set_xlabel("threads")
             ax.set_ylabel(unit)
             ax.set_title(f"{title}, N={longest}: thread scaling", fontsize=10)

@@ -73,6 +73,15 @@ def check_close(actual, ref_value, dtype, what="out"):
     np.testing.assert_allclose(a, r, err_msg=f"{what} ({name})", **TOL[name])
 
 
+def check_same(a, b, dtype, ulps=2, what="out"):
+    """Two kernel results that may differ only by float rounding (thread count, kv-splits):
+    within ``ulps`` machine epsilons of ``dtype`` (bitwise equality passes trivially)."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    eps = float(ml_dtypes.finfo(NP_DTYPES[name]).eps)
+    np.testing.assert_allclose(np.asarray(a).astype(np.float64), np.asarray(b).astype(np.float64),
+                               rtol=ulps * eps, atol=ulps * eps, err_msg=what)
+
+
 def arg(name):
     """Regex matching an argument name as a whole word (so 'k' does not match inside 'mask')."""
     return rf"(?<![A-Za-z0-9_]){re.escape(name)}(?![A-Za-z0-9_])"

@@ -63,57 +63,53 @@ def test_float64_not_silently_cast_to_any_dtype():
 
 # ------------------------------------------------------------------------------ shapes
 
-def _shape_error(which, q, k, v, actual_shape, **kw):
-    with pytest.raises(ValueError, match=arg(which)) as info:
+def _shape_cases():
+    """id -> (q, k, v, extra kwargs, names the message may use, the offending argument's shape, or a
+    list of shapes any one of which may be shown)."""
+    q, k, v = _qkv()
+    rng = np.random.default_rng(1)
+    q6 = rand(rng, (B, 6, NQ, D))
+    k4, v4 = rand(rng, (B, 4, NK, D)), rand(rng, (B, 4, NK, DV))
+    qt, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    return {
+        "q-1d": (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], {}, ("q",), (D,)),
+        "q-5d": (q[None], k[None], v[None], {}, ("q",), (1,) + q.shape),
+        "k-rank": (q, k[0], v, {}, ("k",), k[0].shape),
+        "v-rank": (q, k, v[0], {}, ("v",), v[0].shape),
+        "bshd-3d": (q[0], k[0], v[0], {"layout": "bshd"}, ("q", "layout"), q[0].shape),
+        # Hq % Hk != 0: either side may be blamed
+        "heads-not-divisible": (q6, k4, v4, {}, ("q", "k"), [q6.shape, k4.shape]),
+        "heads-not-divisible-3d": (q6[0, :5], k4[0, :2], v4[0, :2], {}, ("q", "k"),
+                                   [q6[0, :5].shape, k4[0, :2].shape]),
+        "k-head-dim": (q, k[..., :D - 1], v, {}, ("k",), k[..., :D - 1].shape),
+        "v-seqlen": (q, k, v[:, :, :NK - 1], {}, ("v",), v[:, :, :NK - 1].shape),
+        "k-batch": (q, k[:1], v[:1], {}, ("k",), k[:1].shape),
+        "v-batch": (q, k, v[:1], {}, ("v",), v[:1].shape),
+        "v-heads": (q, k, v[:, :1], {}, ("v",), v[:, :1].shape),
+        "bshd-k-head-dim": (qt, kt[..., :3], vt, {"layout": "bshd"}, ("k",), kt[..., :3].shape),
+        "bshd-v-heads": (qt, kt, vt[:, :, :1], {"layout": "bshd"}, ("v",), vt[:, :, :1].shape),
+    }
+
+
+SHAPE_CASES = list(_shape_cases())
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES)
+def test_shape_error_names_argument(case):
+    q, k, v, kw, names, _ = _shape_cases()[case]
+    with pytest.raises(ValueError, match="|".join(arg(n) for n in names)):
+        fa2cpu.flash_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("case", SHAPE_CASES)
+def test_shape_error_message_shows_actual_shape(case):
+    """API.md: the message names the argument, the expected and the actual shape."""
+    q, k, v, kw, _, shapes = _shape_cases()[case]
+    shapes = shapes if isinstance(shapes, list) else [shapes]
+    with pytest.raises(ValueError) as info:
         fa2cpu.flash_attention(q, k, v, **kw)
     msg = str(info.value)
-    assert _mentions_shape(msg, actual_shape), f"message lacks the actual shape {actual_shape}: {msg}"
-
-
-def test_rank_errors():
-    q, k, v = _qkv()
-    _shape_error("q", q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], (D,))                 # 1-D
-    _shape_error("q", q[None], k[None], v[None], (1,) + q.shape)                # 5-D
-    _shape_error("k", q, k[0], v, k[0].shape)                                   # rank mismatch
-    _shape_error("v", q, k, v[0], v[0].shape)
-    with pytest.raises(ValueError, match=arg("q") + "|" + arg("layout")):       # bshd is 4-D only
-        fa2cpu.flash_attention(q[0], k[0], v[0], layout="bshd")
-
-
-def test_head_count_not_divisible():
-    rng = np.random.default_rng(1)
-    q = rand(rng, (B, 6, NQ, D))
-    k, v = rand(rng, (B, 4, NK, D)), rand(rng, (B, 4, NK, DV))
-    _shape_error("k", q, k, v, k.shape)
-    q3 = rand(rng, (5, NQ, D))
-    _shape_error("k", q3, k[0, :2], v[0, :2], k[0, :2].shape)
-
-
-def test_head_dim_mismatch_q_k():
-    q, k, v = _qkv()
-    _shape_error("k", q, k[..., :D - 1], v, k[..., :D - 1].shape)
-
-
-def test_seqlen_mismatch_k_v():
-    q, k, v = _qkv()
-    _shape_error("v", q, k, v[:, :, :NK - 1], v[:, :, :NK - 1].shape)
-
-
-def test_batch_mismatch():
-    q, k, v = _qkv()
-    _shape_error("k", q, k[:1], v[:1], k[:1].shape)
-    _shape_error("v", q, k, v[:1], v[:1].shape)
-
-
-def test_kv_head_mismatch():
-    q, k, v = _qkv()
-    _shape_error("v", q, k, v[:, :1], v[:, :1].shape)
-
-
-def test_bshd_shape_errors():
-    q, k, v = (x.transpose(0, 2, 1, 3) for x in _qkv())
-    _shape_error("k", q, k[..., :3], v, k[..., :3].shape, layout="bshd")
-    _shape_error("v", q, k, v[:, :3], v[:, :3].shape, layout="bshd")
+    assert any(_mentions_shape(msg, s) for s in shapes), f"message lacks the actual shape {shapes}: {msg}"
 
 
 @pytest.mark.parametrize("layout", ["BHSD", "bsdh", "", "nhd", None, 3])

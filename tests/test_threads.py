@@ -12,17 +12,10 @@ import pytest
 import threadpoolctl
 
 import fa2cpu
-from conftest import DTYPES, NP_DTYPES, check_close, qkv, rand, ref
+from conftest import DTYPES, check_close, check_same, qkv, ref
 
 # (Nq, Nk, Hq, Hk, causal): prefill, decode (where a library may split the key axis), GQA.
 THREAD_CASES = [(257, 257, 3, 3, True), (1, 1031, 4, 2, False), (65, 700, 4, 1, True)]
-
-
-def _same(a, b, dtype):
-    """Bitwise, or within float rounding of the output dtype (a kv-split may change with threads)."""
-    eps = float(np.finfo(NP_DTYPES[dtype]).eps)
-    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
-                               rtol=2 * eps, atol=2 * eps)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -33,8 +26,8 @@ def test_thread_count_does_not_change_results(isa, rng, dtype, case):
     results = {n: fa2cpu.flash_attention(q, k, v, causal=causal, num_threads=n, return_lse=True)
                for n in (1, 2, 3, 8)}
     for n in (2, 3, 8):
-        _same(results[n][0], results[1][0], dtype)
-        _same(results[n][1], results[1][1], "float32")
+        check_same(results[n][0], results[1][0], dtype, what=f"{n} threads")
+        check_same(results[n][1], results[1][1], "float32", what=f"lse {n} threads")
     r_out, r_lse = ref.attention_ref(q, k, v, causal=causal)
     check_close(results[1][0], r_out, dtype)
     check_close(results[1][1], r_lse, dtype, "lse")
@@ -47,8 +40,8 @@ def test_threadpool_limits_openmp(isa, rng, dtype):
     with threadpoolctl.threadpool_limits(1, user_api="openmp"):
         limited = fa2cpu.flash_attention(q, k, v, causal=True)
     free = fa2cpu.flash_attention(q, k, v, causal=True)
-    _same(limited, one, dtype)
-    _same(free, one, dtype)
+    check_same(limited, one, dtype)
+    check_same(free, one, dtype)
 
 
 def test_threadpoolctl_sees_openmp():
@@ -68,8 +61,9 @@ def _cpu_per_wall(fn):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_threadpool_limit_is_respected_cpu_time():
-    """Under threadpool_limits(1), the process uses at most ~1 CPU-second per second of compute;
-    with num_threads=2 it uses clearly more (this proves the measurement can see threads)."""
+    """Under threadpool_limits(1), the process uses at most ~1 CPU-second per second of compute.
+    Calibration: num_threads=2 must use clearly more, else the measurement cannot see threads
+    (another process holds the second CPU) and the test skips rather than pass vacuously."""
     rng = np.random.default_rng(0)
     q, k, v = qkv(rng, 1, 8, 8, 1024, 1024, 64)
 
@@ -82,7 +76,8 @@ def test_threadpool_limit_is_respected_cpu_time():
         limited = _cpu_per_wall(work)
     two = _cpu_per_wall(lambda: [fa2cpu.flash_attention(q, k, v, num_threads=2) for _ in range(3)])
     assert limited < 1.3, f"threadpool_limits(1) ignored: {limited:.2f} CPU s per wall s"
-    assert two > 1.3, f"num_threads=2 did not use two CPUs: {two:.2f} CPU s per wall s"
+    if two < 1.3:
+        pytest.skip(f"machine busy: num_threads=2 reached only {two:.2f} CPU s per wall s")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

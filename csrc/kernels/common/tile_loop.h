@@ -5,13 +5,13 @@
 // lane l of row-vector v is row v*W + l. Per item:
 //
 //   qT  [D][M]        Q transposed, pre-scaled (scale*log2e, or scale/softcap), zero rows >= R
-//   oT  [Dvp][M]      unnormalised output accumulator, transposed
+//   oT  [Dv][M]       unnormalised output accumulator, transposed
 //   m,l [M]           running max (log2 domain) and running sum per row
-//   kp  [Bcp][D]      one K tile packed row-major (converted to f32), zero rows past the tile
-//   vp  [Bc][Dvp]     one V tile packed row-major, zero columns >= Dv
+//   kp  [Bc][D]       one K tile packed row-major, float32 (unused when K is read in place)
+//   vp  [Bc][Dv]      one V tile packed row-major, float32 (unused when V is read in place)
 //   s   [Bc][RB]      scores, then probabilities, of one row block (RB = V::RV*W rows)
 //
-// with M = R rounded up to W, Dvp = Dv rounded up to V::ND, Bcp = Bc rounded up to V::NK.
+// with M = R rounded up to W.
 // Scores are kept in the log2 domain so the softmax uses exp2; LSE is converted back at the end.
 // Because rows are in lanes, the row max/sum are vertical vector ops and neither K nor V needs a
 // transpose while packing (the micro-kernels broadcast single K/V elements).
@@ -35,21 +35,19 @@ struct TileLoop {
     static constexpr int64_t BC = V::BC;
 
     struct Layout {
-        int64_t M, Dvp, Bcp;
+        int64_t M;
         int64_t qT, oT, kp, vp, s, m, l, lo, hi, rel, slope, moff, keep, total;
     };
     static Layout layout(const Params& p, int64_t rows) {
         Layout L;
         L.M = round_up(rows < 1 ? 1 : rows, W);
-        L.Dvp = round_up(p.dv, ND);
-        L.Bcp = round_up(BC, NK);
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
         L.qT = take(p.d * L.M);
-        L.oT = take(L.Dvp * L.M);
-        L.kp = take(L.Bcp * p.d);
-        L.vp = take(BC * L.Dvp);
-        L.s = take(L.Bcp * RB);
+        L.oT = take(p.dv * L.M);
+        L.kp = take(BC * p.d);
+        L.vp = take(BC * p.dv);
+        L.s = take(BC * RB);
         L.m = take(L.M); L.l = take(L.M); L.lo = take(L.M); L.hi = take(L.M);
         L.rel = take(L.M); L.slope = take(L.M);
         L.moff = take(2 * L.M);   // int64 mask row offsets
@@ -60,80 +58,99 @@ struct TileLoop {
     static int64_t scratch_floats(const Params& p, int64_t rows) { return layout(p, rows).total; }
 
     // ---- micro-kernels -------------------------------------------------------------------
-    // s[j*RB + v*W + lane] = sum_d qT[d*M + v*W + lane] * kp[j*D + d],  j < NK, v < NV
-    template <int NV>
-    static inline void qk_micro(const float* qT, int64_t M, const float* kp, int64_t D, float* s) {
-        vec acc[NV][NK];
+    // s[j*RB + v*W + lane] = sum_d qT[d*M + v*W + lane] * kt[j*ldk + d],  j < NKC, v < NV
+    template <int NV, int NKC>
+    static inline void qk_micro(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
+        vec acc[NV][NKC];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 8
-            for (int j = 0; j < NK; ++j) acc[v][j] = V::zero();
+            for (int j = 0; j < NKC; ++j) acc[v][j] = V::zero();
         for (int64_t d = 0; d < D; ++d) {
             vec q[NV];
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v) q[v] = V::load(qT + d * M + v * W);
-            const float* kd = kp + d;
+            const float* kd = kt + d;
 #pragma GCC unroll 8
-            for (int j = 0; j < NK; ++j) {
-                const vec kb = V::set1(kd[j * D]);
+            for (int j = 0; j < NKC; ++j) {
+                const vec kb = V::set1(kd[j * ldk]);
 #pragma GCC unroll 8
                 for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(q[v], kb, acc[v][j]);
             }
         }
 #pragma GCC unroll 8
-        for (int j = 0; j < NK; ++j)
+        for (int j = 0; j < NKC; ++j)
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v) V::store(s + j * RB + v * W, acc[v][j]);
     }
 
-    // oT[(c0+j)*M + v*W + lane] += sum_c s[c*RB + v*W + lane] * vp[c*Dvp + c0 + j],  j < ND
-    template <int NV>
-    static inline void pv_micro(const float* s, int64_t nc, const float* vp, int64_t Dvp, float* oT, int64_t M) {
-        vec acc[NV][ND];
+    // oT[j*M + v*W + lane] += sum_c s[c*RB + v*W + lane] * vt[c*ldv + j],  j < NDC
+    template <int NV, int NDC>
+    static inline void pv_micro(const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M) {
+        vec acc[NV][NDC];
 #pragma GCC unroll 8
-        for (int j = 0; j < ND; ++j)
+        for (int j = 0; j < NDC; ++j)
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v) acc[v][j] = V::load(oT + j * M + v * W);
         for (int64_t c = 0; c < nc; ++c) {
             vec pr[NV];
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v) pr[v] = V::load(s + c * RB + v * W);
-            const float* vc = vp + c * Dvp;
+            const float* vc = vt + c * ldv;
 #pragma GCC unroll 8
-            for (int j = 0; j < ND; ++j) {
+            for (int j = 0; j < NDC; ++j) {
                 const vec vb = V::set1(vc[j]);
 #pragma GCC unroll 8
                 for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(pr[v], vb, acc[v][j]);
             }
         }
 #pragma GCC unroll 8
-        for (int j = 0; j < ND; ++j)
+        for (int j = 0; j < NDC; ++j)
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v) V::store(oT + j * M + v * W, acc[v][j]);
     }
 
-    template <int NV>
-    static void block_gemms_qk(const float* qT, int64_t M, const float* kp, int64_t D, int64_t nc, float* s) {
-        for (int64_t c = 0; c < nc; c += NK) qk_micro<NV>(qT, M, kp + c * D, D, s + c * RB);
-    }
-    template <int NV>
-    static void block_gemms_pv(const float* s, int64_t nc, const float* vp, int64_t Dvp, float* oT, int64_t M) {
-        for (int64_t j = 0; j < Dvp; j += ND) pv_micro<NV>(s, nc, vp + j, Dvp, oT + j * M, M);
-    }
-    static void qk(int nv, const float* qT, int64_t M, const float* kp, int64_t D, int64_t nc, float* s) {
-        switch (nv) {
-            case 1: block_gemms_qk<1>(qT, M, kp, D, nc, s); break;
-            case 2: if constexpr (RV >= 2) block_gemms_qk<2>(qT, M, kp, D, nc, s); break;
-            case 3: if constexpr (RV >= 3) block_gemms_qk<3>(qT, M, kp, D, nc, s); break;
-            default: if constexpr (RV >= 4) block_gemms_qk<RV>(qT, M, kp, D, nc, s); break;
+    // Full NK/ND chunks, then one tail chunk of 1..NK-1 keys / 1..ND-1 columns, so K and V can be
+    // read in place (no padding past the tile) when they need no packing.
+    template <int NV, int T = 1>
+    static void qk_tail(int t, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
+        if constexpr (T < NK) {
+            if (t == T) qk_micro<NV, T>(qT, M, kt, ldk, D, s);
+            else qk_tail<NV, T + 1>(t, qT, M, kt, ldk, D, s);
         }
     }
-    static void pv(int nv, const float* s, int64_t nc, const float* vp, int64_t Dvp, float* oT, int64_t M) {
-        switch (nv) {
-            case 1: block_gemms_pv<1>(s, nc, vp, Dvp, oT, M); break;
-            case 2: if constexpr (RV >= 2) block_gemms_pv<2>(s, nc, vp, Dvp, oT, M); break;
-            case 3: if constexpr (RV >= 3) block_gemms_pv<3>(s, nc, vp, Dvp, oT, M); break;
-            default: if constexpr (RV >= 4) block_gemms_pv<RV>(s, nc, vp, Dvp, oT, M); break;
+    template <int NV, int T = 1>
+    static void pv_tail(int t, const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M) {
+        if constexpr (T < ND) {
+            if (t == T) pv_micro<NV, T>(s, nc, vt, ldv, oT, M);
+            else pv_tail<NV, T + 1>(t, s, nc, vt, ldv, oT, M);
+        }
+    }
+    template <int NV>
+    static void qk_block(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
+        int64_t c = 0;
+        for (; c + NK <= nc; c += NK) qk_micro<NV, NK>(qT, M, kt + c * ldk, ldk, D, s + c * RB);
+        if (c < nc) qk_tail<NV>(int(nc - c), qT, M, kt + c * ldk, ldk, D, s + c * RB);
+    }
+    template <int NV>
+    static void pv_block(const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
+        int64_t j = 0;
+        for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(s, nc, vt + j, ldv, oT + j * M, M);
+        if (j < Dv) pv_tail<NV>(int(Dv - j), s, nc, vt + j, ldv, oT + j * M, M);
+    }
+    // Row blocks of nv = 1..RV vectors (the last block of an item may be partial).
+    template <int NV = RV>
+    static void qk(int nv, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
+        if constexpr (NV >= 1) {
+            if (nv == NV) qk_block<NV>(qT, M, kt, ldk, D, nc, s);
+            else qk<NV - 1>(nv, qT, M, kt, ldk, D, nc, s);
+        }
+    }
+    template <int NV = RV>
+    static void pv(int nv, const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
+        if constexpr (NV >= 1) {
+            if (nv == NV) pv_block<NV>(s, nc, vt, ldv, Dv, oT, M);
+            else pv<NV - 1>(nv, s, nc, vt, ldv, Dv, oT, M);
         }
     }
 
@@ -143,7 +160,7 @@ struct TileLoop {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         const int64_t nqi = it.i1 - it.i0, R = (it.g1 - it.g0) * nqi;
         const Layout L = layout(p, R);
-        const int64_t M = L.M, Dvp = L.Dvp;
+        const int64_t M = L.M;
         float* qT = scratch + L.qT;  float* oT = scratch + L.oT;
         float* kp = scratch + L.kp;  float* vp = scratch + L.vp;  float* s = scratch + L.s;
         float* mrow = scratch + L.m; float* lrow = scratch + L.l;
@@ -180,21 +197,31 @@ struct TileLoop {
             moff[r] = p.mask ? b * p.m_sb + h * p.m_sh + i * p.m_sq : 0;
         }
         for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
-        for (int64_t j = 0; j < Dvp * M; ++j) oT[j] = 0.f;
-        for (int64_t j = 0; j < (L.Bcp - BC) * D; ++j) kp[BC * D + j] = 0.f;
-        for (int64_t c = 0; c < BC; ++c)
-            for (int64_t j = Dv; j < Dvp; ++j) vp[c * Dvp + j] = 0.f;
-
+        for (int64_t j = 0; j < Dv * M; ++j) oT[j] = 0.f;
+        // K/V are read in place when they are float32 with unit feature stride and not paged;
+        // otherwise each tile is packed (strides, paging and dtype conversion all end there).
+        const bool k_direct = dt == DType::f32 && p.k_sd == 1 && !p.block_table;
+        const bool v_direct = dt == DType::f32 && p.v_sd == 1 && !p.block_table;
         const int64_t khead = it.hkv * p.k_sh, vhead = it.hkv * p.v_sh;
         for (int64_t c0 = lo_min; c0 <= hi_max; c0 += BC) {
             const int64_t nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
-            // Pack the K/V tile (strides, paging and dtype conversion all end here).
-            for (int64_t c = 0; c < nc; ++c) {
-                V::load_row(kp + c * D, elem_ptr(p.k, k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + khead, dt), D, p.k_sd, dt);
-                V::load_row(vp + c * Dvp, elem_ptr(p.v, k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + vhead, dt), Dv, p.v_sd, dt);
+            const float* kt = kp;
+            const float* vt = vp;
+            int64_t ldk = D, ldv = Dv;
+            if (k_direct) {
+                kt = static_cast<const float*>(p.k) + k_row_offset(p, b, c0, p.k_sb, p.k_sn) + khead;
+                ldk = p.k_sn;
+            } else {
+                for (int64_t c = 0; c < nc; ++c)
+                    V::load_row(kp + c * D, elem_ptr(p.k, k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + khead, dt), D, p.k_sd, dt);
             }
-            for (int64_t c = nc; c < round_up(nc, NK); ++c)
-                for (int64_t d = 0; d < D; ++d) kp[c * D + d] = 0.f;
+            if (v_direct) {
+                vt = static_cast<const float*>(p.v) + k_row_offset(p, b, c0, p.v_sb, p.v_sn) + vhead;
+                ldv = p.v_sn;
+            } else {
+                for (int64_t c = 0; c < nc; ++c)
+                    V::load_row(vp + c * Dv, elem_ptr(p.v, k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + vhead, dt), Dv, p.v_sd, dt);
+            }
 
             for (int64_t r0 = 0; r0 < M; r0 += RB) {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
@@ -210,10 +237,10 @@ struct TileLoop {
                 if (blo > float(c0 + nc - 1) || bhi < float(c0)) continue;
                 const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + nc - 1);
 
-                qk(nv, qT + r0, M, kp, D, nc, s);
+                qk(nv, qT + r0, M, kt, ldk, D, nc, s);
                 epilogue(p, nv, r0, c0, nc, range_mask, use_softcap, cap_l2, lo_f, hi_f, rel, slope, moff, keep, s);
-                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT + r0, M, Dvp);
-                pv(nv, s, nc, vp, Dvp, oT + r0, M);
+                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT + r0, M, Dv);
+                pv(nv, s, nc, vt, ldv, Dv, oT + r0, M);
             }
         }
         finish(p, it, R, nqi, M, oT, mrow, lrow, parts);
@@ -257,7 +284,7 @@ struct TileLoop {
     // Online softmax for one row block: new max, p = exp2(s - m) in place, l and oT rescaled
     // only for row vectors whose max moved. -inf - -inf is guarded: a row that has seen no
     // visible key keeps m = -inf, l = 0 and contributes p = 0.
-    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t M, int64_t Dvp) {
+    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t M, int64_t Dv) {
         const vec ninf = V::set1(-INFINITY);
         for (int v = 0; v < nv; ++v) {
             vec mx = ninf;
@@ -276,7 +303,7 @@ struct TileLoop {
                 const vec alpha = V::exp2(V::sub(m_old, m_use));
                 V::store(l + v * W, V::fma(V::load(l + v * W), alpha, sum));
                 float* o = oT + v * W;
-                for (int64_t j = 0; j < Dvp; ++j) V::store(o + j * M, V::mul(V::load(o + j * M), alpha));
+                for (int64_t j = 0; j < Dv; ++j) V::store(o + j * M, V::mul(V::load(o + j * M), alpha));
             } else {
                 V::store(l + v * W, V::add(V::load(l + v * W), sum));
             }

@@ -1,0 +1,283 @@
+"""fa2cpu-bench: argument parsing, a tiny real run, JSON, plot, clean errors. Fast (tiny shapes)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+fa2cpu = pytest.importorskip("fa2cpu")
+from fa2cpu import bench  # noqa: E402
+
+# Small enough that the whole module stays well under the 30 s budget.
+TINY = ["--seqlen", "48", "--heads", "2", "--batch", "1", "--head-dim", "32", "--threads", "1",
+        "--repeat", "2", "--warmup", "0", "--quiet"]
+
+
+def run_main(capsys, *args):
+    code = bench.main(TINY + list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_cli(*args, timeout=120):
+    """The real command line, in a fresh interpreter."""
+    return subprocess.run([sys.executable, "-m", "fa2cpu.bench", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------
+
+def test_defaults():
+    a = bench.parse_args([])
+    assert a.mode == ["prefill", "decode"]
+    assert a.dtype == ["fp32", "bf16"]
+    assert a.causal == [False, True]
+    assert a.threads == [bench.default_threads()]
+    assert a.baselines == ["numpy", "torch"]
+    assert a.isa == [fa2cpu.get_isa()]
+    assert (a.repeat, a.warmup, a.json, a.plot, a.quiet) == (5, 1, None, None, False)
+
+
+def test_default_sweep_shapes():
+    cases = bench.build_cases(bench.parse_args([]))
+    prefill = [c for c in cases if c.mode == "prefill"]
+    decode = [c for c in cases if c.mode == "decode"]
+    assert len(prefill) == 3 * 2 * 2            # seqlens x dtypes x causal
+    assert {c.seqlen_q for c in prefill} == {512, 1024, 2048}
+    assert all(c.seqlen_q == c.seqlen_k for c in prefill)
+    assert len(decode) == 2                     # one shape, fp32 and bf16, non-causal
+    d = decode[0]
+    assert (d.seqlen_q, d.seqlen_k, d.heads_q, d.heads_kv, d.causal) == (1, 8192, 32, 8, False)
+
+
+def test_lists_spaces_commas_and_flags():
+    a = bench.parse_args(["--dtype", "fp32,bf16", "fp16", "--seqlen", "64", "128,64", "--threads", "2,1",
+                          "--causal", "--mode", "decode", "--baselines", "none", "--isa", "all"])
+    assert a.dtype == ["fp32", "bf16", "fp16"]
+    assert a.seqlen == [64, 128]
+    assert a.threads == [1, 2]
+    assert a.causal == [True]
+    assert a.baselines == []
+    assert a.isa == list(fa2cpu.available_isas())
+    assert bench.parse_args(["--no-causal"]).causal == [False]
+
+
+def test_option_overrides_and_gqa_default():
+    a = bench.parse_args(["--mode", "prefill", "decode", "--heads", "16", "--seqlen", "100",
+                          "--seqlen-k", "300"])
+    cases = bench.build_cases(a)
+    pre = [c for c in cases if c.mode == "prefill"][0]
+    dec = [c for c in cases if c.mode == "decode"][0]
+    assert (pre.heads_q, pre.heads_kv, pre.seqlen_q, pre.seqlen_k) == (16, 16, 100, 300)
+    assert (dec.heads_q, dec.heads_kv, dec.seqlen_q, dec.seqlen_k) == (16, 4, 1, 300)
+
+
+def test_help_documents_every_option_and_the_json_schema(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for action in bench.make_parser()._actions:
+        if action.help and action.dest not in ("help", "version"):
+            assert "default" in action.help, action.option_strings
+    assert "JSON output" in text and "max_abs_err" in text and "times_s" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "fp64"], "unknown dtype 'fp64'"),
+    (["--batch", "-1"], "positive integer"),
+    (["--seqlen", "0"], "positive integer"),
+    (["--heads", "0"], "positive integer"),
+    (["--threads", "two"], "positive integer"),
+    (["--warmup", "-3"], ">= 0"),
+    (["--mode", "train"], "unknown mode"),
+    (["--isa", "avx9"], "unknown isa"),
+    (["--heads", "6", "--kv-heads", "4"], "must divide"),
+    (["--baselines", "numpy", "none"], "cannot be combined"),
+])
+def test_bad_arguments_exit_2_with_a_message(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_bad_arguments_from_the_command_line_give_no_traceback():
+    r = run_cli("--dtype", "fp64")
+    assert r.returncode == 2
+    assert "unknown dtype 'fp64'" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("--batch", "-4")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_unusable_isa_is_a_clean_error(capsys):
+    missing = [i for i in bench.ISA_FAMILIES if i not in fa2cpu.available_isas()]
+    if not missing:
+        pytest.skip("every family is usable here")
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--isa", missing[0]])
+    assert e.value.code == 2 and "not usable on this machine" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_is_a_clean_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes `import matplotlib` fail
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--plot", "x.png"])
+    assert e.value.code == 2
+    assert "pip install 'fa2cpu[bench]'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting
+# ---------------------------------------------------------------------------------------------
+
+def test_visible_pairs_bottom_right():
+    assert bench.visible_pairs(5, 5, False) == 25
+    assert bench.visible_pairs(5, 5, True) == 15                 # n(n+1)/2
+    assert bench.visible_pairs(2, 5, True) == 4 + 5              # rows see keys <= i + 3
+    assert bench.visible_pairs(5, 2, True) == 0 + 0 + 0 + 1 + 2  # first rows see nothing
+    assert bench.visible_pairs(1, 8192, True) == 8192
+
+
+def test_flops_and_bytes():
+    c = bench.Case("prefill", "bf16", True, 2, 8, 2, 64, 64, 128, 128)
+    assert c.flops == 4 * 2 * 8 * 128 * (64 * 65 // 2)
+    assert c.bytes == 2 * 2 * 64 * (8 * 256 + 2 * 256)
+    v = bench.Case("varlen", "fp32", False, 2, 4, 4, 10, 10, 16, 16, (5, 15))
+    assert v.flops == 4 * 4 * 16 * (25 + 225)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs
+# ---------------------------------------------------------------------------------------------
+
+def test_tiny_run_prints_the_table(capsys):
+    code, out, _ = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "bf16", "--baselines", "numpy")
+    assert code == 0
+    for column in ("shape", "impl", "median ms", "GFLOP/s", "%peak", "vs numpy", "max err", "check"):
+        assert column in out
+    label = f"fa2cpu/{fa2cpu.get_isa()}"
+    rows = [line.split() for line in out.splitlines() if label in line.split() and "geometric" not in line]
+    assert len(rows) == 4                       # 2 dtypes x causal/non-causal
+    assert all(row[-1] == "ok" for row in rows)
+    assert "FAIL" not in out
+
+
+def test_command_line_prints_header_and_table():
+    r = run_cli(*TINY[:-1], "--mode", "prefill", "--dtype", "fp32", "--no-causal", "--baselines", "numpy")
+    assert r.returncode == 0, r.stderr
+    assert "fa2cpu-bench: fa2cpu " in r.stdout and "CPU:" in r.stdout and "ISA:" in r.stdout
+    assert "B=1 H=2 N=48 D=32" in r.stdout
+
+
+def test_json_has_the_documented_fields(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    code, out, _ = run_main(capsys, "--mode", "prefill", "decode", "--dtype", "fp32", "--no-causal",
+                            "--baselines", "numpy", "--json", str(path))
+    assert code == 0 and str(path) in out
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == "fa2cpu-bench/1" and doc["interrupted"] is False
+    for key in ("cpu_model", "logical_cpus", "isa_usable", "isa_default", "versions", "peaks",
+                "read_bandwidth"):
+        assert key in doc["machine"]
+    recs = doc["records"]
+    assert {r["impl"] for r in recs} == {"numpy", "fa2cpu"}
+    assert {r["mode"] for r in recs} == {"prefill", "decode"}
+    fields = ("impl isa api mode dtype causal batch heads_q heads_kv seqlen_q seqlen_k head_dim "
+              "head_dim_v seqlens threads status note warmup repeat calls_per_sample times_s median_s "
+              "min_s max_s q1_s q3_s flops gflops peak_family peak_gflops pct_peak bytes gbs "
+              "read_bw_gbs pct_bw max_abs_err error_ref check atol rtol speedup machine").split()
+    for r in recs:
+        assert set(fields) <= set(r), set(fields) - set(r)
+        assert r["status"] == "ok" and len(r["times_s"]) == 2
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert math.isclose(r["gflops"], r["flops"] / r["median_s"] / 1e9)
+        assert r["machine"]["cpu_model"] == doc["machine"]["cpu_model"]
+    fa = [r for r in recs if r["impl"] == "fa2cpu"]
+    assert all(r["check"] == "ok" and r["error_ref"] == "numpy" and "numpy" in r["speedup"] for r in fa)
+    decode = [r for r in fa if r["mode"] == "decode"][0]
+    assert decode["seqlen_q"] == 1 and decode["gbs"] > 0
+
+
+def test_plot_is_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plot.png"
+    code, out, _ = run_main(capsys, "--mode", "prefill", "--seqlen", "32", "64", "--dtype", "fp32",
+                            "--no-causal", "--threads", "1", "2", "--baselines", "none", "--no-check",
+                            "--plot", str(path))
+    assert code == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Thread scaling" in out
+
+
+def test_wrong_answer_is_flagged(capsys, monkeypatch):
+    real = fa2cpu.flash_attention
+
+    def off_by_a_bit(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return out + np.asarray(0.05, out.dtype)
+
+    monkeypatch.setattr(fa2cpu, "flash_attention", off_by_a_bit)
+    code, out, _ = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "--no-causal",
+                            "--baselines", "numpy")
+    assert code == 1
+    assert "FAIL" in out and "CORRECTNESS CHECK FAILED" in out
+
+
+def test_untimed_reference_when_no_baseline(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    code, _, _ = run_main(capsys, "--mode", "prefill", "--dtype", "bf16", "--causal",
+                          "--baselines", "none", "--json", str(path))
+    assert code == 0
+    (rec,) = json.loads(path.read_text())["records"]
+    assert rec["error_ref"] == "reference" and rec["check"] == "ok"
+
+
+def test_missing_torch_is_a_note_not_a_traceback(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "import_torch", lambda: None)
+    code, out, err = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "--no-causal",
+                              "--baselines", "torch", "numpy")
+    assert code == 0 and "Traceback" not in err
+    assert "torch is not installed" in out and "vs torch" not in out
+
+
+def test_torch_baseline_with_gqa_and_bottom_right_causal(capsys):
+    pytest.importorskip("torch")
+    code, out, _ = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "bf16", "--causal",
+                            "--heads", "4", "--kv-heads", "2", "--seqlen-k", "80", "--baselines", "torch")
+    assert code == 0, out
+    assert "vs torch" in out and "explicit bottom-right causal mask" in out and "FAIL" not in out
+
+
+def test_numpy_skipped_above_its_memory_limit(capsys):
+    code, out, _ = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "--no-causal",
+                            "--seqlen", "2048", "--baselines", "numpy", "--numpy-max-mib", "1")
+    assert code == 0
+    assert "skipped" in out and "numpy skipped" in out
+
+
+def test_varlen_mode(capsys):
+    if not hasattr(fa2cpu, "flash_attention_varlen"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--mode", "varlen"])
+        return
+    code, out, _ = run_main(capsys, "--mode", "varlen", "--batch", "3", "--dtype", "fp32",
+                            "--baselines", "numpy")
+    assert code == 0 and "N=24..72" in out and "FAIL" not in out
+
+
+@pytest.mark.skipif(not os.environ.get("PATH"), reason="no PATH")
+def test_console_script_matches_module():
+    import shutil
+    exe = shutil.which("fa2cpu-bench")
+    if exe is None:
+        pytest.skip("fa2cpu-bench is not installed as a console script here")
+    r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and fa2cpu.__version__ in r.stdout
