@@ -5,7 +5,7 @@
 # Nk=8192 (K+V 1 GiB in fp32, far beyond the L3). About 15 minutes. Run on an otherwise idle machine.
 #   usage: bench/run_amx.sh [OUTDIR]       (default: bench/results/amx)
 source "$(dirname "$0")/common.sh"
-OUT=${1:-bench/results/amx}
+OUT=${1:-$BENCH_DIR/results/amx}
 mkdir -p "$OUT"
 describe_machine | tee "$OUT/machine.txt"
 
@@ -17,5 +17,5 @@ run_bench prefill_fp32_avx512 $PREFILL --dtype fp32 --isa avx512 --baselines tor
 run_bench decode --mode decode --batch 16 --heads 32 --kv-heads 8 --seqlen 8192 --head-dim 128 \
     --dtype fp32 bf16 --isa auto --threads $THREADS --baselines torch --plot "$OUT/decode.png"
 
-python bench/tables.py "$OUT"/prefill_bf16_amx.json "$OUT"/prefill_fp32_avx512.json \
+python "$BENCH_DIR/tables.py" "$OUT"/prefill_bf16_amx.json "$OUT"/prefill_fp32_avx512.json \
     "$OUT"/decode.json | tee "$OUT/tables.md"

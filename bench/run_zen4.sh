@@ -5,7 +5,7 @@
 # 1-vs-2-thread scaling run. About 10 minutes. Run on an otherwise idle machine.
 #   usage: bench/run_zen4.sh [OUTDIR]      (default: bench/results/zen4)
 source "$(dirname "$0")/common.sh"
-OUT=${1:-bench/results/zen4}
+OUT=${1:-$BENCH_DIR/results/zen4}
 mkdir -p "$OUT"
 describe_machine | tee "$OUT/machine.txt"
 
@@ -20,5 +20,5 @@ run_bench decode --mode decode --batch 16 --heads 32 --kv-heads 8 --seqlen 8192 
 run_bench threads --mode prefill --batch 1 --heads 32 --seqlen 4096 --head-dim 128 --dtype fp32 bf16 \
     --no-causal --threads 1 2 --baselines torch --plot "$OUT/threads.png"
 
-python bench/tables.py "$OUT"/prefill_d128.json "$OUT"/prefill_d64.json "$OUT"/decode.json \
+python "$BENCH_DIR/tables.py" "$OUT"/prefill_d128.json "$OUT"/prefill_d64.json "$OUT"/decode.json \
     "$OUT"/threads.json | tee "$OUT/tables.md"

@@ -67,6 +67,6 @@ double peak(int, double seconds) { return fma_peak_gflops<V256>(seconds); }
 
 }  // namespace
 
-extern const KernelTable kTableAvx2 = make_table<V256>(Isa::avx2, &peak);
+extern const KernelTable kTableAvx2 = make_table<V256, F32Gemm<V256>>(Isa::avx2, &peak);
 
 }  // namespace fa2cpu

@@ -70,6 +70,6 @@ double peak(int, double seconds) { return fma_peak_gflops<V512>(seconds); }
 
 }  // namespace
 
-extern const KernelTable kTableAvx512 = make_table<V512>(Isa::avx512, &peak);
+extern const KernelTable kTableAvx512 = make_table<V512, F32Gemm<V512>>(Isa::avx512, &peak);
 
 }  // namespace fa2cpu

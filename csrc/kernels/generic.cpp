@@ -46,6 +46,6 @@ double peak(int, double seconds) { return fma_peak_gflops<VGeneric, 4>(seconds);
 
 }  // namespace
 
-extern const KernelTable kTableGeneric = make_table<VGeneric>(Isa::generic, &peak);
+extern const KernelTable kTableGeneric = make_table<VGeneric, F32Gemm<VGeneric>>(Isa::generic, &peak);
 
 }  // namespace fa2cpu

@@ -1,21 +1,23 @@
 // The FlashAttention-2 tile loop, written once and instantiated by every family's file with its
-// vector traits V (see generic.cpp / avx2.cpp / avx512.cpp for what V provides).
+// vector traits V (vector math: see generic.cpp / avx2.cpp / avx512.cpp) and a GEMM policy G
+// (operand packing + micro-kernels: gemm_f32.h, or the bf16 one in avx512bf16.cpp).
 //
 // Formulation: "rows in lanes". A work item holds R query rows (heads x query positions); vector
 // lane l of row-vector v is row v*W + l. Per item:
 //
-//   qT  [D][M]        Q transposed, pre-scaled (scale*log2e, or scale/softcap), zero rows >= R
-//   oT  [Dv][M]       unnormalised output accumulator, transposed
+//   q   G's Q operand for M rows (float32 [D][M] pre-scaled, or bf16 pairs), zero rows >= R
+//   oT  [Dv][M]       unnormalised output accumulator, float32, transposed
 //   m,l [M]           running max (log2 domain) and running sum per row
-//   kp  [Bc][D]       one K tile packed row-major, float32 (unused when K is read in place)
-//   vp  [Bc][Dv]      one V tile packed row-major, float32 (unused when V is read in place)
-//   s   [Bc][RB]      scores, then probabilities, of one row block (RB = V::RV*W rows)
+//   kp, vp            one packed K / V tile in G's layout (unused when G reads them in place)
+//   s   [Bc][RB]      float32 scores, then probabilities, of one row block (RB = G::RB rows)
 //
-// with M = R rounded up to W.
+// with M = R rounded up to W. Q is scaled by scale*log2e (or scale/softcap with softcap), either
+// while packing or, for G::kPostScale, on the micro-kernel's output.
 // Scores are kept in the log2 domain so the softmax uses exp2; LSE is converted back at the end.
 // Because rows are in lanes, the row max/sum are vertical vector ops and neither K nor V needs a
 // transpose while packing (the micro-kernels broadcast single K/V elements).
 #pragma once
+#include "gemm_f32.h"
 #include "kernel.h"
 
 namespace fa2cpu {
@@ -24,29 +26,29 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <class V>
+template <class V, class Gm>
 struct TileLoop {
+    using G = Gm;
     using vec = typename V::vec;
     static constexpr int W = V::W;
-    static constexpr int RV = V::RV;    // row vectors per micro-tile
-    static constexpr int NK = V::NK;    // keys per QK micro-tile
-    static constexpr int ND = V::ND;    // output columns per PV micro-tile
+    static constexpr int RV = G::RV;    // row vectors per row block
     static constexpr int RB = RV * W;   // rows per row block
-    static constexpr int64_t BC = V::BC;
+    static constexpr int64_t BC = G::BC;
 
     struct Layout {
         int64_t M;
-        int64_t qT, oT, kp, vp, s, m, l, lo, hi, rel, slope, moff, keep, total;
+        int64_t qT, oT, kp, vp, pb, s, m, l, lo, hi, rel, slope, moff, keep, total;
     };
     static Layout layout(const Params& p, int64_t rows) {
         Layout L;
         L.M = round_up(rows < 1 ? 1 : rows, W);
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
-        L.qT = take(p.d * L.M);
+        L.qT = take(G::q_floats(p.d, L.M));
         L.oT = take(p.dv * L.M);
-        L.kp = take(BC * p.d);
-        L.vp = take(BC * p.dv);
+        L.kp = take(G::k_floats(p.d));
+        L.vp = take(G::v_floats(p.dv));
+        L.pb = take(G::p_floats());
         L.s = take(BC * RB);
         L.m = take(L.M); L.l = take(L.M); L.lo = take(L.M); L.hi = take(L.M);
         L.rel = take(L.M); L.slope = take(L.M);
@@ -57,112 +59,16 @@ struct TileLoop {
     }
     static int64_t scratch_floats(const Params& p, int64_t rows) { return layout(p, rows).total; }
 
-    // ---- micro-kernels -------------------------------------------------------------------
-    // s[j*RB + v*W + lane] = sum_d qT[d*M + v*W + lane] * kt[j*ldk + d],  j < NKC, v < NV
-    template <int NV, int NKC>
-    static inline void qk_micro(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
-        vec acc[NV][NKC];
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v)
-#pragma GCC unroll 8
-            for (int j = 0; j < NKC; ++j) acc[v][j] = V::zero();
-        for (int64_t d = 0; d < D; ++d) {
-            vec q[NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) q[v] = V::load(qT + d * M + v * W);
-            const float* kd = kt + d;
-#pragma GCC unroll 8
-            for (int j = 0; j < NKC; ++j) {
-                const vec kb = V::set1(kd[j * ldk]);
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(q[v], kb, acc[v][j]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int j = 0; j < NKC; ++j)
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) V::store(s + j * RB + v * W, acc[v][j]);
-    }
-
-    // oT[j*M + v*W + lane] += sum_c s[c*RB + v*W + lane] * vt[c*ldv + j],  j < NDC
-    template <int NV, int NDC>
-    static inline void pv_micro(const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M) {
-        vec acc[NV][NDC];
-#pragma GCC unroll 8
-        for (int j = 0; j < NDC; ++j)
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) acc[v][j] = V::load(oT + j * M + v * W);
-        for (int64_t c = 0; c < nc; ++c) {
-            vec pr[NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) pr[v] = V::load(s + c * RB + v * W);
-            const float* vc = vt + c * ldv;
-#pragma GCC unroll 8
-            for (int j = 0; j < NDC; ++j) {
-                const vec vb = V::set1(vc[j]);
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(pr[v], vb, acc[v][j]);
-            }
-        }
-#pragma GCC unroll 8
-        for (int j = 0; j < NDC; ++j)
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) V::store(oT + j * M + v * W, acc[v][j]);
-    }
-
-    // Full NK/ND chunks, then one tail chunk of 1..NK-1 keys / 1..ND-1 columns, so K and V can be
-    // read in place (no padding past the tile) when they need no packing.
-    template <int NV, int T = 1>
-    static void qk_tail(int t, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
-        if constexpr (T < NK) {
-            if (t == T) qk_micro<NV, T>(qT, M, kt, ldk, D, s);
-            else qk_tail<NV, T + 1>(t, qT, M, kt, ldk, D, s);
-        }
-    }
-    template <int NV, int T = 1>
-    static void pv_tail(int t, const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M) {
-        if constexpr (T < ND) {
-            if (t == T) pv_micro<NV, T>(s, nc, vt, ldv, oT, M);
-            else pv_tail<NV, T + 1>(t, s, nc, vt, ldv, oT, M);
-        }
-    }
-    template <int NV>
-    static void qk_block(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
-        int64_t c = 0;
-        for (; c + NK <= nc; c += NK) qk_micro<NV, NK>(qT, M, kt + c * ldk, ldk, D, s + c * RB);
-        if (c < nc) qk_tail<NV>(int(nc - c), qT, M, kt + c * ldk, ldk, D, s + c * RB);
-    }
-    template <int NV>
-    static void pv_block(const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
-        int64_t j = 0;
-        for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(s, nc, vt + j, ldv, oT + j * M, M);
-        if (j < Dv) pv_tail<NV>(int(Dv - j), s, nc, vt + j, ldv, oT + j * M, M);
-    }
-    // Row blocks of nv = 1..RV vectors (the last block of an item may be partial).
-    template <int NV = RV>
-    static void qk(int nv, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
-        if constexpr (NV >= 1) {
-            if (nv == NV) qk_block<NV>(qT, M, kt, ldk, D, nc, s);
-            else qk<NV - 1>(nv, qT, M, kt, ldk, D, nc, s);
-        }
-    }
-    template <int NV = RV>
-    static void pv(int nv, const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
-        if constexpr (NV >= 1) {
-            if (nv == NV) pv_block<NV>(s, nc, vt, ldv, Dv, oT, M);
-            else pv<NV - 1>(nv, s, nc, vt, ldv, Dv, oT, M);
-        }
-    }
-
     // ---- the item ------------------------------------------------------------------------
     static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
-        const int64_t b = it.b, G = p.hq / p.hk, D = p.d, Dv = p.dv;
+        const int64_t b = it.b, group = p.hq / p.hk, D = p.d, Dv = p.dv;
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         const int64_t nqi = it.i1 - it.i0, R = (it.g1 - it.g0) * nqi;
         const Layout L = layout(p, R);
         const int64_t M = L.M;
         float* qT = scratch + L.qT;  float* oT = scratch + L.oT;
         float* kp = scratch + L.kp;  float* vp = scratch + L.vp;  float* s = scratch + L.s;
+        float* pbuf = scratch + L.pb;
         float* mrow = scratch + L.m; float* lrow = scratch + L.l;
         float* lo_f = scratch + L.lo; float* hi_f = scratch + L.hi;
         float* rel = scratch + L.rel; float* slope = scratch + L.slope;
@@ -178,14 +84,14 @@ struct TileLoop {
         int64_t lo_min = nk, hi_max = -1;
         for (int64_t r = 0; r < M; ++r) {
             if (r >= R) {  // padding lanes: computed, never stored, never decide a skip
-                for (int64_t d = 0; d < D; ++d) qT[d * M + r] = 0.f;
+                G::zero_q_row(qT, M, r, D);
                 lo_f[r] = 0.f; hi_f[r] = float(nk); rel[r] = 0.f; slope[r] = 0.f; moff[r] = 0;
                 continue;
             }
-            const int64_t h = it.hkv * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
+            const int64_t h = it.hkv * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
             float tmp[256];
             load_row_scalar(tmp, elem_ptr(p.q, q_row_offset(p, b, i, p.q_sb, p.q_sn) + h * p.q_sh, dt), D, p.q_sd, dt);
-            for (int64_t d = 0; d < D; ++d) qT[d * M + r] = tmp[d] * qscale;
+            G::pack_q_row(qT, M, r, tmp, D, G::kPostScale ? 1.f : qscale);
             int64_t lo, hi;
             visible_range(p, nq, nk, i, &lo, &hi);
             if (lo < it.kb) lo = it.kb;
@@ -198,31 +104,12 @@ struct TileLoop {
         }
         for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
         for (int64_t j = 0; j < Dv * M; ++j) oT[j] = 0.f;
-        // K/V are read in place when they are float32 with unit feature stride and not paged;
-        // otherwise each tile is packed (strides, paging and dtype conversion all end there).
-        const bool k_direct = dt == DType::f32 && p.k_sd == 1 && !p.block_table;
-        const bool v_direct = dt == DType::f32 && p.v_sd == 1 && !p.block_table;
         const int64_t khead = it.hkv * p.k_sh, vhead = it.hkv * p.v_sh;
         for (int64_t c0 = lo_min; c0 <= hi_max; c0 += BC) {
             const int64_t nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
-            const float* kt = kp;
-            const float* vt = vp;
-            int64_t ldk = D, ldv = Dv;
-            if (k_direct) {
-                kt = static_cast<const float*>(p.k) + k_row_offset(p, b, c0, p.k_sb, p.k_sn) + khead;
-                ldk = p.k_sn;
-            } else {
-                for (int64_t c = 0; c < nc; ++c)
-                    V::load_row(kp + c * D, elem_ptr(p.k, k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + khead, dt), D, p.k_sd, dt);
-            }
-            if (v_direct) {
-                vt = static_cast<const float*>(p.v) + k_row_offset(p, b, c0, p.v_sb, p.v_sn) + vhead;
-                ldv = p.v_sn;
-            } else {
-                for (int64_t c = 0; c < nc; ++c)
-                    V::load_row(vp + c * Dv, elem_ptr(p.v, k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + vhead, dt), Dv, p.v_sd, dt);
-            }
-
+            int64_t ldk, ldv;
+            const void* kt = G::k_tile(p, b, c0, nc, khead, kp, &ldk);
+            const void* vt = G::v_tile(p, b, c0, nc, vhead, vp, &ldv);
             for (int64_t r0 = 0; r0 < M; r0 += RB) {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                 const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
@@ -237,10 +124,10 @@ struct TileLoop {
                 if (blo > float(c0 + nc - 1) || bhi < float(c0)) continue;
                 const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + nc - 1);
 
-                qk(nv, qT + r0, M, kt, ldk, D, nc, s);
+                G::qk(nv, G::q_at(qT, r0), M, kt, ldk, D, nc, s, G::kPostScale ? qscale : 1.f);
                 epilogue(p, nv, r0, c0, nc, range_mask, use_softcap, cap_l2, lo_f, hi_f, rel, slope, moff, keep, s);
                 softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT + r0, M, Dv);
-                pv(nv, s, nc, vt, ldv, Dv, oT + r0, M);
+                G::pv(nv, s, nc, vt, ldv, Dv, oT + r0, M, pbuf);
             }
         }
         finish(p, it, R, nqi, M, oT, mrow, lrow, parts);
@@ -314,7 +201,7 @@ struct TileLoop {
     // Normalise once per item and write the output rows (or the split's partial rows).
     static void finish(const Params& p, const WorkItem& it, int64_t R, int64_t nqi, int64_t M,
                        const float* oT, const float* mrow, const float* lrow, Partials parts) {
-        const int64_t b = it.b, G = p.hq / p.hk, Dv = p.dv;
+        const int64_t b = it.b, group = p.hq / p.hk, Dv = p.dv;
         for (int64_t r = 0; r < R; ++r) {
             const float l = lrow[r];
             const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
@@ -325,7 +212,7 @@ struct TileLoop {
                 parts.lse[it.part + r] = lse2;
                 continue;
             }
-            const int64_t h = it.hkv * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
+            const int64_t h = it.hkv * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
             const int64_t ob = q_row_offset(p, b, i, p.o_sb, p.o_sn) + h * p.o_sh;
             for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, oT[j * M + r] * inv, DType(p.dtype));
             if (p.lse) p.lse[q_row_offset(p, b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * kLn2;
@@ -334,9 +221,9 @@ struct TileLoop {
 };
 
 // Builds the dispatch-table row of a family from its traits.
-template <class V>
+template <class V, class G>
 KernelTable make_table(Isa isa, double (*peak)(int, double)) {
-    return KernelTable{isa, V::MAX_ROWS, V::BC, &TileLoop<V>::scratch_floats, &TileLoop<V>::run_item, peak};
+    return KernelTable{isa, V::MAX_ROWS, G::BC, &TileLoop<V, G>::scratch_floats, &TileLoop<V, G>::run_item, peak};
 }
 
 }  // namespace

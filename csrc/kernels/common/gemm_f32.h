@@ -1,0 +1,169 @@
+// Float32 GEMM policy of the tile loop ("rows in lanes", see tile_loop.h): register-blocked
+// micro-kernels for S^T = K Q^T and O^T += V^T P^T that broadcast single K/V elements against
+// vectors of W query rows. Every family uses it for float32 and float16 (converted to float32
+// while packing, so products keep float32 accuracy).
+#pragma once
+#include "kernel.h"
+
+namespace fa2cpu {
+namespace {
+
+template <class V>
+struct F32Gemm {
+    using vec = typename V::vec;
+    static constexpr int W = V::W;
+    static constexpr int RV = V::RV;    // row vectors per micro-tile
+    static constexpr int NK = V::NK;    // keys per QK micro-tile
+    static constexpr int ND = V::ND;    // output columns per PV micro-tile
+    static constexpr int RB = RV * W;   // rows per row block
+    static constexpr int64_t BC = V::BC;
+    static constexpr bool kPostScale = false;  // Q is packed pre-scaled
+
+    // Scratch (floats) of the Q operand for M rows, of one packed K / V tile, of a P copy.
+    static int64_t q_floats(int64_t D, int64_t M) { return D * M; }
+    static int64_t k_floats(int64_t D) { return BC * D; }
+    static int64_t v_floats(int64_t Dv) { return BC * Dv; }
+    static int64_t p_floats() { return 0; }
+
+    // qbuf [D][M]: row r of Q transposed, times qscale.
+    static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
+        for (int64_t d = 0; d < D; ++d) qbuf[d * M + r] = row[d] * qscale;
+    }
+    static const float* q_at(const float* qbuf, int64_t r0) { return qbuf + r0; }  // row block start
+    static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
+        for (int64_t d = 0; d < D; ++d) qbuf[d * M + r] = 0.f;
+    }
+    // K/V tile of nc rows from key position c0: read in place when float32 with unit feature
+    // stride and not paged, else packed row-major (strides, paging, dtype conversion end here).
+    static const float* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head,
+                               float* buf, int64_t* ld) {
+        return tile(p, p.k, p.k_sb, p.k_sn, p.k_sd, p.d, b, c0, nc, head, buf, ld);
+    }
+    static const float* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head,
+                               float* buf, int64_t* ld) {
+        return tile(p, p.v, p.v_sb, p.v_sn, p.v_sd, p.dv, b, c0, nc, head, buf, ld);
+    }
+    static const float* tile(const Params& p, const void* base, int64_t sb, int64_t sn, int64_t sd, int64_t n,
+                             int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        const DType dt = DType(p.dtype);
+        if (dt == DType::f32 && sd == 1 && !p.block_table) {
+            *ld = sn;
+            return static_cast<const float*>(base) + k_row_offset(p, b, c0, sb, sn) + head;
+        }
+        for (int64_t c = 0; c < nc; ++c)
+            V::load_row(buf + c * n, elem_ptr(base, k_row_offset(p, b, c0 + c, sb, sn) + head, dt), n, sd, dt);
+        *ld = n;
+        return buf;
+    }
+
+    // s[j*RB + v*W + lane] = sum_d qT[d*M + v*W + lane] * kt[j*ldk + d],  j < NKC, v < NV
+    template <int NV, int NKC>
+    static inline void qk_micro(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
+        vec acc[NV][NKC];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 8
+            for (int j = 0; j < NKC; ++j) acc[v][j] = V::zero();
+        for (int64_t d = 0; d < D; ++d) {
+            vec q[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) q[v] = V::load(qT + d * M + v * W);
+            const float* kd = kt + d;
+#pragma GCC unroll 8
+            for (int j = 0; j < NKC; ++j) {
+                const vec kb = V::set1(kd[j * ldk]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(q[v], kb, acc[v][j]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NKC; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) V::store(s + j * RB + v * W, acc[v][j]);
+    }
+
+    // oT[j*M + v*W + lane] += sum_c s[c*RB + v*W + lane] * vt[c*ldv + j],  j < NDC
+    template <int NV, int NDC>
+    static inline void pv_micro(const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M) {
+        vec acc[NV][NDC];
+#pragma GCC unroll 8
+        for (int j = 0; j < NDC; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[v][j] = V::load(oT + j * M + v * W);
+        for (int64_t c = 0; c < nc; ++c) {
+            vec pr[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) pr[v] = V::load(s + c * RB + v * W);
+            const float* vc = vt + c * ldv;
+#pragma GCC unroll 8
+            for (int j = 0; j < NDC; ++j) {
+                const vec vb = V::set1(vc[j]);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(pr[v], vb, acc[v][j]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NDC; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) V::store(oT + j * M + v * W, acc[v][j]);
+    }
+
+    // Full NK/ND chunks, then one tail chunk of 1..NK-1 keys / 1..ND-1 columns, so K and V can be
+    // read in place (no padding past the tile) when they need no packing.
+    template <int NV, int T = 1>
+    static void qk_tail(int t, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
+        if constexpr (T < NK) {
+            if (t == T) qk_micro<NV, T>(qT, M, kt, ldk, D, s);
+            else qk_tail<NV, T + 1>(t, qT, M, kt, ldk, D, s);
+        }
+    }
+    template <int NV, int T = 1>
+    static void pv_tail(int t, const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M) {
+        if constexpr (T < ND) {
+            if (t == T) pv_micro<NV, T>(s, nc, vt, ldv, oT, M);
+            else pv_tail<NV, T + 1>(t, s, nc, vt, ldv, oT, M);
+        }
+    }
+    template <int NV>
+    static void qk_block(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
+        int64_t c = 0;
+        for (; c + NK <= nc; c += NK) qk_micro<NV, NK>(qT, M, kt + c * ldk, ldk, D, s + c * RB);
+        if (c < nc) qk_tail<NV>(int(nc - c), qT, M, kt + c * ldk, ldk, D, s + c * RB);
+    }
+    template <int NV>
+    static void pv_block(const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
+        int64_t j = 0;
+        for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(s, nc, vt + j, ldv, oT + j * M, M);
+        if (j < Dv) pv_tail<NV>(int(Dv - j), s, nc, vt + j, ldv, oT + j * M, M);
+    }
+    // Row blocks of nv = 1..RV vectors (the last block of an item may be partial).
+    template <int NV = RV>
+    static void qk_nv(int nv, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
+        if constexpr (NV >= 1) {
+            if (nv == NV) qk_block<NV>(qT, M, kt, ldk, D, nc, s);
+            else qk_nv<NV - 1>(nv, qT, M, kt, ldk, D, nc, s);
+        }
+    }
+    template <int NV = RV>
+    static void pv_nv(int nv, const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
+        if constexpr (NV >= 1) {
+            if (nv == NV) pv_block<NV>(s, nc, vt, ldv, Dv, oT, M);
+            else pv_nv<NV - 1>(nv, s, nc, vt, ldv, Dv, oT, M);
+        }
+    }
+
+    // The tile loop's interface: S (rows of one block, log2-domain logits before biases) and
+    // O^T += P V for a row block of nv vectors; K/V tiles as returned by k_tile / v_tile.
+    static void qk(int nv, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D, int64_t nc,
+                   float* s, float /*post_scale: Q already scaled*/) {
+        qk_nv(nv, qbuf, M, static_cast<const float*>(kt), ldk, D, nc, s);
+    }
+    static void pv(int nv, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M,
+                   float* /*pbuf*/) {
+        pv_nv(nv, s, nc, static_cast<const float*>(vt), ldv, Dv, oT, M);
+    }
+
+};
+
+}  // namespace
+}  // namespace fa2cpu
