@@ -1,70 +1,12 @@
-// Family "avx512": AVX-512F/BW/VL/DQ + FMA, float32 micro-kernels with 16 rows per vector.
-// Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (setup.py, per file).
-//
-// Register blocking (tile_loop.h): RV x NK = 6 x 4 = 24 zmm accumulators for Q K^T and
-// RV x ND = 6 x 4 for P V, plus 6 row loads and one broadcast: 31 of 32 zmm. Per reduction step
-// 6 vector loads and 4 broadcasts feed 24 FMAs. Measured on Zen 5 (2 x 512-bit FMA pipes), 6 x 4
-// beat 4 x 6 and 8 x 3 (fewer broadcasts per FMA; 8 x 3 reloads the accumulators too often).
-#include <immintrin.h>
-
+// Family "avx512": AVX-512F/BW/VL/DQ + FMA, float32 micro-kernels with 16 rows per vector
+// (vector traits and blocking in common/vec_avx512.h). bf16/fp16 inputs are converted to float32
+// while packing. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c (setup.py).
 #include "common/probe.h"
 #include "common/tile_loop.h"
-#include "common/vecmath.h"
+#include "common/vec_avx512.h"
 
 namespace fa2cpu {
 namespace {
-
-struct V512 {
-    using vec = __m512;
-    static constexpr int W = 16, RV = 6, NK = 4, ND = 4;
-    // 128-key tiles, up to 192 rows (2 row blocks of 96) per item: Q^T + O^T (96 KiB each at
-    // D = 128), a 48 KiB score block and packed K/V tiles (64 KiB each) stay in a 1 MiB L2, and
-    // one K/V tile is reused by 192 rows.
-    static constexpr int64_t BC = 128, MAX_ROWS = 192;
-
-    static vec zero() { return _mm512_setzero_ps(); }
-    static vec set1(float a) { return _mm512_set1_ps(a); }
-    static vec load(const float* p) { return _mm512_loadu_ps(p); }
-    static void store(float* p, vec a) { _mm512_storeu_ps(p, a); }
-    static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-    static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
-    static vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
-    static vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-    static vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
-    static vec abs(vec a) { return _mm512_abs_ps(a); }
-    static vec exp2(vec x) {
-        // vmaxps/vminps return the second operand when either is NaN: x stays NaN.
-        x = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-150.f), x));
-        const vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const vec f = _mm512_sub_ps(x, n);
-        vec p = _mm512_set1_ps(kExp2C[6]);
-        for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C[i]));
-        return _mm512_scalef_ps(p, n);  // p * 2^n, underflows to 0 for n = -150
-    }
-    static vec tanh(vec x) {  // 1 - 2 / (e^(2x) + 1): exact limits +-1, NaN kept
-        const vec t = exp2(_mm512_mul_ps(x, _mm512_set1_ps(2.f * 1.4426950408889634f)));
-        return _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(t, _mm512_set1_ps(1.f))));
-    }
-    static vec mask_outside(vec x, vec kc, vec lo, vec hi, vec ninf) {
-        const __mmask16 out = _mm512_cmp_ps_mask(kc, lo, _CMP_LT_OQ) | _mm512_cmp_ps_mask(kc, hi, _CMP_GT_OQ);
-        return _mm512_mask_mov_ps(x, out, ninf);
-    }
-    static vec zero_where_ninf(vec m) {
-        return _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), _mm512_setzero_ps());
-    }
-    static bool any_gt(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
-    static void load_row(float* dst, const void* src, int64_t n, int64_t stride, DType dt) {
-        if (stride != 1 || dt == DType::f32) { load_row_scalar(dst, src, n, stride, dt); return; }
-        const uint16_t* s = static_cast<const uint16_t*>(src);
-        int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + j));
-            _mm512_storeu_ps(dst + j, dt == DType::f16 ? _mm512_cvtph_ps(h)
-                                                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
-        if (j < n) load_row_scalar(dst + j, s + j, n - j, 1, dt);
-    }
-};
 
 double peak(int, double seconds) { return fma_peak_gflops<V512>(seconds); }
 

@@ -1,0 +1,202 @@
+// bfloat16 GEMM policy of the tile loop for AVX-512-BF16 (vdpbf16ps), "rows in lanes" like
+// gemm_f32.h. vdpbf16ps(acc, a, b) adds a[2i]*b[2i] + a[2i+1]*b[2i+1] to float32 lane i, so every
+// operand is stored as bf16 PAIRS along the reduction axis (one uint32 per pair, low half first):
+//
+//   Q   qbuf  [D2][M]   pair (Q[r][2t], Q[r][2t+1]) of row r            (D2 = ceil(D/2), not scaled)
+//   K   kt    [nc][ldk] bf16 rows; the pair at column 2t is broadcast as one uint32
+//                       (read in place for contiguous unpaged bf16 with even D, else packed)
+//   P   pbuf  [C2][RB]  pair (P[r][2c], P[r][2c+1]) of row r             (C2 = ceil(nc/2))
+//   V   vbuf  [C2][Dv]  pair (V[2c][j], V[2c+1][j]), always packed (two rows interleaved)
+//
+// Odd D / odd nc are padded with zero halves. Products are exact in float32 and accumulate in
+// float32; P is rounded to bf16 before P V, as FlashAttention-2 does, while the row sums l use
+// the float32 P. The score scale is applied to the float32 S (kPostScale): scaling bf16 Q would
+// add a rounding.
+#pragma once
+#include <immintrin.h>
+
+#include "kernel.h"
+
+namespace fa2cpu {
+namespace {
+
+template <class V>
+struct Bf16Gemm {
+    static constexpr int W = 16;
+    static constexpr int RV = V::RV, NK = V::NK, ND = V::ND;
+    static constexpr int RB = RV * W;
+    static constexpr int64_t BC = V::BC;
+    static constexpr bool kPostScale = true;
+    static_assert(V::W == 16, "bf16 pairs fill 16 float32 lanes");
+
+    static int64_t q_floats(int64_t D, int64_t M) { return (D + 1) / 2 * M; }
+    static int64_t k_floats(int64_t D) { return BC * ((D + 1) / 2); }
+    static int64_t v_floats(int64_t Dv) { return (BC + 1) / 2 * Dv; }
+    static int64_t p_floats() { return (BC + 1) / 2 * RB; }
+
+    static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+    static const float* q_at(const float* qbuf, int64_t r0) { return qbuf + r0; }
+    static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
+        uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
+        for (int64_t t = 0; 2 * t < D; ++t)
+            q[t * M + r] = pair(f32_to_bf16(row[2 * t]), 2 * t + 1 < D ? f32_to_bf16(row[2 * t + 1]) : 0);
+    }
+    static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
+        uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
+        for (int64_t t = 0; 2 * t < D; ++t) q[t * M + r] = 0;
+    }
+
+    static const void* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        const int64_t D = p.d, Dp = round_up(D, 2);
+        const uint16_t* k = static_cast<const uint16_t*>(p.k);
+        if (p.k_sd == 1 && D % 2 == 0 && !p.block_table) {
+            *ld = p.k_sn;
+            return k + k_row_offset(p, b, c0, p.k_sb, p.k_sn) + head;
+        }
+        uint16_t* out = reinterpret_cast<uint16_t*>(buf);
+        for (int64_t c = 0; c < nc; ++c) {
+            const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + head;
+            for (int64_t d = 0; d < D; ++d) out[c * Dp + d] = src[d * p.k_sd];
+            if (Dp != D) out[c * Dp + D] = 0;
+        }
+        *ld = Dp;
+        return out;
+    }
+
+    static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        const int64_t Dv = p.dv;
+        const uint16_t* v = static_cast<const uint16_t*>(p.v);
+        uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+        for (int64_t c = 0; c < nc; c += 2) {
+            const uint16_t* r0 = v + k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + head;
+            const uint16_t* r1 = c + 1 < nc ? v + k_row_offset(p, b, c0 + c + 1, p.v_sb, p.v_sn) + head : nullptr;
+            uint32_t* o = out + (c / 2) * Dv;
+            int64_t j = 0;
+            if (p.v_sd == 1) {
+                for (; j + 16 <= Dv; j += 16) {
+                    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j)));
+                    const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j)))
+                                          : _mm512_setzero_si512();
+                    _mm512_storeu_si512(o + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                }
+            }
+            for (; j < Dv; ++j) o[j] = pair(r0[j * p.v_sd], r1 ? r1[j * p.v_sd] : 0);
+        }
+        *ld = Dv;
+        return out;
+    }
+
+    // s[j*RB + v*16 + lane] = post_scale * sum_t qpair[t][row] . kpair[j][t],  j < NKC
+    template <int NV, int NKC>
+    static inline void qk_micro(const uint32_t* q, int64_t M, const uint16_t* kt, int64_t ldk, int64_t D2,
+                                float* s, __m512 post) {
+        __m512 acc[NV][NKC];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v)
+#pragma GCC unroll 8
+            for (int j = 0; j < NKC; ++j) acc[v][j] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < D2; ++t) {
+            __m512i qv[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_si512(q + t * M + v * W);
+#pragma GCC unroll 8
+            for (int j = 0; j < NKC; ++j) {
+                uint32_t kk;
+                std::memcpy(&kk, kt + j * ldk + 2 * t, 4);
+                const __m512i kb = _mm512_set1_epi32(int(kk));
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v)
+                    acc[v][j] = _mm512_dpbf16_ps(acc[v][j], (__m512bh)qv[v], (__m512bh)kb);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NKC; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(s + j * RB + v * W, _mm512_mul_ps(acc[v][j], post));
+    }
+
+    // oT[j*M + v*16 + lane] += sum_c2 ppair[c2][row] . vpair[c2][j],  j < NDC
+    template <int NV, int NDC>
+    static inline void pv_micro(const uint32_t* pb, int64_t nc2, const uint32_t* vt, int64_t ldv, float* oT, int64_t M) {
+        __m512 acc[NV][NDC];
+#pragma GCC unroll 8
+        for (int j = 0; j < NDC; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[v][j] = _mm512_loadu_ps(oT + j * M + v * W);
+        for (int64_t c = 0; c < nc2; ++c) {
+            __m512i pr[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) pr[v] = _mm512_loadu_si512(pb + c * RB + v * W);
+#pragma GCC unroll 8
+            for (int j = 0; j < NDC; ++j) {
+                const __m512i vb = _mm512_set1_epi32(int(vt[c * ldv + j]));
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], (__m512bh)pr[v], (__m512bh)vb);
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NDC; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(oT + j * M + v * W, acc[v][j]);
+    }
+
+    template <int NV, int T = 1>
+    static void qk_tail(int t, const uint32_t* q, int64_t M, const uint16_t* kt, int64_t ldk, int64_t D2, float* s, __m512 post) {
+        if constexpr (T < NK) {
+            if (t == T) qk_micro<NV, T>(q, M, kt, ldk, D2, s, post);
+            else qk_tail<NV, T + 1>(t, q, M, kt, ldk, D2, s, post);
+        }
+    }
+    template <int NV, int T = 1>
+    static void pv_tail(int t, const uint32_t* pb, int64_t nc2, const uint32_t* vt, int64_t ldv, float* oT, int64_t M) {
+        if constexpr (T < ND) {
+            if (t == T) pv_micro<NV, T>(pb, nc2, vt, ldv, oT, M);
+            else pv_tail<NV, T + 1>(t, pb, nc2, vt, ldv, oT, M);
+        }
+    }
+    template <int NV = RV>
+    static void qk_nv(int nv, const uint32_t* q, int64_t M, const uint16_t* kt, int64_t ldk, int64_t D2, int64_t nc,
+                      float* s, __m512 post) {
+        if constexpr (NV >= 1) {
+            if (nv != NV) return qk_nv<NV - 1>(nv, q, M, kt, ldk, D2, nc, s, post);
+            int64_t c = 0;
+            for (; c + NK <= nc; c += NK) qk_micro<NV, NK>(q, M, kt + c * ldk, ldk, D2, s + c * RB, post);
+            if (c < nc) qk_tail<NV>(int(nc - c), q, M, kt + c * ldk, ldk, D2, s + c * RB, post);
+        }
+    }
+    template <int NV = RV>
+    static void pv_nv(int nv, const uint32_t* pb, int64_t nc2, const uint32_t* vt, int64_t Dv, float* oT, int64_t M) {
+        if constexpr (NV >= 1) {
+            if (nv != NV) return pv_nv<NV - 1>(nv, pb, nc2, vt, Dv, oT, M);
+            int64_t j = 0;
+            for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(pb, nc2, vt + j, Dv, oT + j * M, M);
+            if (j < Dv) pv_tail<NV>(int(Dv - j), pb, nc2, vt + j, Dv, oT + j * M, M);
+        }
+    }
+
+    static void qk(int nv, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D, int64_t nc,
+                   float* s, float post_scale) {
+        qk_nv(nv, reinterpret_cast<const uint32_t*>(qbuf), M, static_cast<const uint16_t*>(kt), ldk, (D + 1) / 2, nc, s,
+              _mm512_set1_ps(post_scale));
+    }
+
+    // Rounds the float32 P of the row block to bf16 pairs (zero pair half past nc), then O^T += P V.
+    static void pv(int nv, float* s, int64_t nc, const void* vt, int64_t, int64_t Dv, float* oT, int64_t M, float* pbuf) {
+        uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
+        // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
+        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int64_t c = 0; c < nc; c += 2) {
+            for (int v = 0; v < nv; ++v) {
+                const __m512 a = _mm512_loadu_ps(s + c * RB + v * W);
+                const __m512 bb = c + 1 < nc ? _mm512_loadu_ps(s + (c + 1) * RB + v * W) : _mm512_setzero_ps();
+                const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(bb, a);
+                _mm512_storeu_si512(pb + (c / 2) * RB + v * W, _mm512_permutexvar_epi16(inter, x));
+            }
+        }
+        pv_nv(nv, pb, (nc + 1) / 2, static_cast<const uint32_t*>(vt), Dv, oT, M);
+    }
+};
+
+}  // namespace
+}  // namespace fa2cpu
