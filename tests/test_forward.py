@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fa2cpu
-from conftest import DTYPES, NP_DTYPES, check_close, check_same, qkv, rand, ref
+from conftest import DTYPES, NP_DTYPES, TOL_ZERO_Q_LSE, check_close, check_same, qkv, rand, ref
 
 LENGTHS = [1, 7, 63, 64, 65, 127, 128, 129, 257, 1031]
 # Every length on the diagonal, plus each length paired with the one three places further on, in
@@ -393,3 +393,46 @@ def test_empty_sequences(isa, rng, dtype):
     q, k, v = qkv(rng, 2, 4, 2, 0, 9, 16, 8, dtype=dtype)
     out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, causal=True)
     assert out.shape == (2, 4, 0, 8) and lse.shape == (2, 4, 0)
+
+
+# ------------------------------------------------------------------------------ precision-free probes
+# Low-precision tolerances hide a single dropped key among a thousand; these probes do not.
+
+VIS_OPTS = [dict(), dict(causal=True), dict(window=(5, 3)), dict(window=(0, 0)), dict(causal=True, window=(17, -1)),
+            dict(mask=True), dict(mask=True, causal=True, window=(40, 2))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Nq,Nk", [(1, 256), (63, 64), (130, 65), (257, 200)], ids=lambda x: str(x))
+@pytest.mark.parametrize("opts", VIS_OPTS, ids=lambda o: "-".join(f"{a}={b}" for a, b in o.items()) or "plain")
+def test_visibility_map(isa, rng, dtype, Nq, Nk, opts):
+    """v = identity (Dv = Nk) makes out the attention matrix P itself: its zero pattern is exactly
+    the set of invisible keys, whatever the precision."""
+    B, Hq, Hk = 1, 4, 2
+    q, k = rand(rng, (B, Hq, Nq, 32), dtype), rand(rng, (B, Hk, Nk, 32), dtype)
+    v = np.broadcast_to(np.eye(Nk, dtype=NP_DTYPES[dtype]), (B, Hk, Nk, Nk))
+    kw = dict(opts)
+    if kw.pop("mask", False):
+        kw["mask"] = rng.random((Hq, Nq, Nk)) < 0.7
+    out, _ = check(q, k, v, dtype, **kw)
+    r_out, _ = ref.attention_ref(q, k, v, **kw)
+    got = out.astype(np.float64) != 0
+    want = r_out != 0
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, f"{len(bad)} (b, h, i, j) with wrong visibility, first: {bad[:5].tolist()}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Nq,Nk", [(1, 1031), (129, 1031), (1031, 257), (65, 64)], ids=lambda x: str(x))
+def test_zero_q_lse_counts_visible_keys(isa, rng, dtype, Nq, Nk):
+    B, Hq, Hk = 1, 2, 1
+    q = np.zeros((B, Hq, Nq, 64), NP_DTYPES[dtype])
+    k, v = rand(rng, (B, Hk, Nk, 64), dtype), rand(rng, (B, Hk, Nk, 64), dtype)
+    slopes = np.array([0.01, 0.125], np.float32)
+    for kw in (dict(), dict(causal=True), dict(window=(100, 5)), dict(window=(0, 0)),
+               dict(mask=rng.random((Nq, Nk)) < 0.9, causal=True), dict(alibi_slopes=slopes, causal=True),
+               dict(mask=rand(rng, (1, Nk), "float32"), window=(300, 300))):
+        out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, **kw)
+        r_out, r_lse = ref.attention_ref(q, k, v, **kw)
+        np.testing.assert_allclose(lse.astype(np.float64), r_lse, err_msg=f"lse {list(kw)}", **TOL_ZERO_Q_LSE)
+        check_close(out, r_out, dtype)

@@ -27,6 +27,8 @@ struct Bf16Gemm {
     static constexpr int RB = RV * W;
     static constexpr int64_t BC = V::BC;
     static constexpr bool kPostScale = true;
+    static constexpr int64_t kRowAlign = W;                   // item rows padded to this
+    static int64_t o_rows(int64_t Dv) { return Dv; }          // rows of the O^T accumulator
     static_assert(V::W == 16, "bf16 pairs fill 16 float32 lanes");
 
     static int64_t q_floats(int64_t D, int64_t M) { return (D + 1) / 2 * M; }

@@ -18,6 +18,8 @@ struct F32Gemm {
     static constexpr int RB = RV * W;   // rows per row block
     static constexpr int64_t BC = V::BC;
     static constexpr bool kPostScale = false;  // Q is packed pre-scaled
+    static constexpr int64_t kRowAlign = W;                   // item rows padded to this
+    static int64_t o_rows(int64_t Dv) { return Dv; }          // rows of the O^T accumulator
 
     // Scratch (floats) of the Q operand for M rows, of one packed K / V tile, of a P copy.
     static int64_t q_floats(int64_t D, int64_t M) { return D * M; }

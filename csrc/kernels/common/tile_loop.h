@@ -11,7 +11,7 @@
 //   kp, vp            one packed K / V tile in G's layout (unused when G reads them in place)
 //   s   [Bc][RB]      float32 scores, then probabilities, of one row block (RB = G::RB rows)
 //
-// with M = R rounded up to W. Q is scaled by scale*log2e (or scale/softcap with softcap), either
+// with M = R rounded up to G::kRowAlign (a multiple of W). Q is scaled by scale*log2e (or scale/softcap with softcap), either
 // while packing or, for G::kPostScale, on the micro-kernel's output.
 // Scores are kept in the log2 domain so the softmax uses exp2; LSE is converted back at the end.
 // Because rows are in lanes, the row max/sum are vertical vector ops and neither K nor V needs a
@@ -41,11 +41,11 @@ struct TileLoop {
     };
     static Layout layout(const Params& p, int64_t rows) {
         Layout L;
-        L.M = round_up(rows < 1 ? 1 : rows, W);
+        L.M = round_up(rows < 1 ? 1 : rows, G::kRowAlign);
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
         L.qT = take(G::q_floats(p.d, L.M));
-        L.oT = take(p.dv * L.M);
+        L.oT = take(G::o_rows(p.dv) * L.M);
         L.kp = take(G::k_floats(p.d));
         L.vp = take(G::v_floats(p.dv));
         L.pb = take(G::p_floats());
@@ -103,7 +103,7 @@ struct TileLoop {
             moff[r] = p.mask ? b * p.m_sb + h * p.m_sh + i * p.m_sq : 0;
         }
         for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
-        for (int64_t j = 0; j < Dv * M; ++j) oT[j] = 0.f;
+        for (int64_t j = 0; j < G::o_rows(Dv) * M; ++j) oT[j] = 0.f;
         const int64_t khead = it.hkv * p.k_sh, vhead = it.hkv * p.v_sh;
         for (int64_t c0 = lo_min; c0 <= hi_max; c0 += BC) {
             const int64_t nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;

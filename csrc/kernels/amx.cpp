@@ -1,0 +1,235 @@
+// Family "amx": Intel AMX-BF16 tiles for both GEMMs of bfloat16 attention, AVX-512 for the softmax.
+// Built with the avx512bf16 flags plus -mamx-tile -mamx-bf16 (setup.py). float32 / float16 inputs
+// run the float32 AVX-512 kernels; bf16 items with fewer than kMinAmxRows rows (decode) run the
+// AVX-512-BF16 kernels, where a 16-row tile would be mostly padding.
+//
+// Same "rows in lanes" tile loop as every family (tile_loop.h); the AMX GEMM policy computes
+//   S^T[16 keys][16 rows] += K[16 keys][32 d] (A, bf16 rows)  x  Qpairs[16 pairs][16 rows] (B, VNNI)
+//   O^T[16 dv][16 rows]   += V^T[16 dv][32 keys] (A, bf16)    x  Ppairs[16 pairs][16 rows] (B, VNNI)
+// so Q and P use the bf16 pair layouts of gemm_bf16.h unchanged, K is read as rows, and only V
+// needs a transpose while packing. Every tile is 16 rows x 64 bytes (one configuration); operands
+// are zero-padded to whole tiles: D and Dv to 32, keys to 32, rows to 32 (2 x 2 register blocking
+// of C tiles: tmm0-3 accumulate, tmm4-5 hold A, tmm6-7 hold B).
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "common/gemm_bf16.h"
+#include "common/probe.h"
+#include "common/tile_loop.h"
+#include "common/vec_avx512.h"
+
+namespace fa2cpu {
+namespace {
+
+constexpr int64_t kMinAmxRows = 32;
+
+struct TileConfig {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+void configure_tiles() {
+    TileConfig cfg;
+    std::memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+struct AmxGemm {
+    static constexpr int W = 16;
+    static constexpr int RV = V512::RV;
+    static constexpr int RB = RV * W;      // 96 rows: 3 pairs of 16-row tiles
+    static constexpr int64_t BC = V512::BC;  // 128 keys: 4 x 32
+    static constexpr bool kPostScale = true;
+    static constexpr int64_t kRowAlign = 32;
+    static_assert(RB % 32 == 0 && BC % 32 == 0, "whole 2x2 tile blocks");
+
+    static int64_t d2p(int64_t D) { return round_up((D + 1) / 2, 16); }  // Q pair rows
+    static int64_t o_rows(int64_t Dv) { return round_up(Dv, 32); }
+    static int64_t q_floats(int64_t D, int64_t M) { return d2p(D) * M; }
+    static int64_t k_floats(int64_t D) { return BC * round_up(D, 32) / 2; }
+    static int64_t v_floats(int64_t Dv) { return o_rows(Dv) * BC / 2; }
+    static int64_t p_floats() { return BC / 2 * RB; }
+
+    static const float* q_at(const float* qbuf, int64_t r0) { return qbuf + r0; }
+    static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
+        Bf16Gemm<V512>::pack_q_row(qbuf, M, r, row, D, 1.f);
+        uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
+        for (int64_t t = (D + 1) / 2; t < d2p(D); ++t) q[t * M + r] = 0;
+    }
+    static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
+        uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
+        for (int64_t t = 0; t < d2p(D); ++t) q[t * M + r] = 0;
+    }
+
+    // K rows as A tiles: in place for unpaged contiguous bf16 with D % 32 == 0 and a whole
+    // number of 32-key blocks; else packed [round_up(nc,32)][round_up(D,32)] with zeros.
+    static const void* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        const int64_t D = p.d, Dp = round_up(D, 32);
+        const uint16_t* k = static_cast<const uint16_t*>(p.k);
+        if (p.k_sd == 1 && D % 32 == 0 && nc % 32 == 0 && !p.block_table) {
+            *ld = p.k_sn;
+            return k + k_row_offset(p, b, c0, p.k_sb, p.k_sn) + head;
+        }
+        uint16_t* out = reinterpret_cast<uint16_t*>(buf);
+        for (int64_t c = 0; c < round_up(nc, 32); ++c) {
+            uint16_t* o = out + c * Dp;
+            int64_t d = 0;
+            if (c < nc) {
+                const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + head;
+                if (p.k_sd == 1) { std::memcpy(o, src, size_t(D) * 2); d = D; }
+                else for (; d < D; ++d) o[d] = src[d * p.k_sd];
+            }
+            for (; d < Dp; ++d) o[d] = 0;
+        }
+        *ld = Dp;
+        return out;
+    }
+
+    // V^T [round_up(Dv,32)][BC] bf16, zero past nc keys and Dv columns.
+    static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        const int64_t Dv = p.dv, Dvp = o_rows(Dv), ncp = round_up(nc, 32);
+        const uint16_t* v = static_cast<const uint16_t*>(p.v);
+        uint16_t* out = reinterpret_cast<uint16_t*>(buf);
+        for (int64_t c = 0; c < nc; c += 2) {  // two keys per step: one 32-bit store per column
+            const uint16_t* r0 = v + k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + head;
+            const uint16_t* r1 = c + 1 < nc ? v + k_row_offset(p, b, c0 + c + 1, p.v_sb, p.v_sn) + head : nullptr;
+            for (int64_t j = 0; j < Dv; ++j) {
+                const uint32_t w = uint32_t(r0[j * p.v_sd]) | (uint32_t(r1 ? r1[j * p.v_sd] : 0) << 16);
+                std::memcpy(out + j * BC + c, &w, 4);
+            }
+        }
+        for (int64_t j = 0; j < Dv; ++j)
+            for (int64_t c = round_up(nc, 2); c < ncp; ++c) out[j * BC + c] = 0;
+        for (int64_t j = Dv; j < Dvp; ++j)
+            for (int64_t c = 0; c < ncp; ++c) out[j * BC + c] = 0;
+        *ld = BC;
+        return out;
+    }
+
+    // S^T block (keys x rows) of nv 16-row vectors (nv even, M multiple of 32), times post_scale.
+    static void qk(int nv, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D, int64_t nc,
+                   float* s, float post_scale) {
+        const uint32_t* q = reinterpret_cast<const uint32_t*>(qbuf);
+        const uint16_t* k = static_cast<const uint16_t*>(kt);
+        const int64_t D2p = d2p(D), ncp = round_up(nc, 32);
+        for (int64_t c = 0; c < ncp; c += 32) {
+            for (int r = 0; r < nv * W; r += 32) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t t = 0; t < D2p; t += 16) {
+                    _tile_loadd(4, k + c * ldk + 2 * t, ldk * 2);
+                    _tile_loadd(5, k + (c + 16) * ldk + 2 * t, ldk * 2);
+                    _tile_loadd(6, q + t * M + r, M * 4);
+                    _tile_loadd(7, q + t * M + r + 16, M * 4);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, s + c * RB + r, RB * 4);
+                _tile_stored(1, s + c * RB + r + 16, RB * 4);
+                _tile_stored(2, s + (c + 16) * RB + r, RB * 4);
+                _tile_stored(3, s + (c + 16) * RB + r + 16, RB * 4);
+            }
+        }
+        const __m512 ps = _mm512_set1_ps(post_scale);
+        for (int64_t c = 0; c < nc; ++c)
+            for (int v = 0; v < nv; ++v) {
+                float* sp = s + c * RB + v * W;
+                _mm512_storeu_ps(sp, _mm512_mul_ps(_mm512_loadu_ps(sp), ps));
+            }
+    }
+
+    // P (float32, in s) -> bf16 pairs zero-padded to 32 keys; O^T += V^T P^T on 2 x 2 tile blocks.
+    static void pv(int nv, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M, float* pbuf) {
+        uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
+        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        const int64_t ncp = round_up(nc, 32);
+        for (int64_t c = 0; c < ncp; c += 2)
+            for (int v = 0; v < nv; ++v) {
+                const __m512 a = c < nc ? _mm512_loadu_ps(s + c * RB + v * W) : _mm512_setzero_ps();
+                const __m512 bb = c + 1 < nc ? _mm512_loadu_ps(s + (c + 1) * RB + v * W) : _mm512_setzero_ps();
+                const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(bb, a);
+                _mm512_storeu_si512(pb + (c / 2) * RB + v * W, _mm512_permutexvar_epi16(inter, x));
+            }
+        const uint16_t* vT = static_cast<const uint16_t*>(vt);
+        const int64_t Dvp = o_rows(Dv);
+        for (int64_t j = 0; j < Dvp; j += 32) {
+            for (int r = 0; r < nv * W; r += 32) {
+                float* o = oT + j * M + r;
+                _tile_loadd(0, o, M * 4);
+                _tile_loadd(1, o + 16, M * 4);
+                _tile_loadd(2, o + 16 * M, M * 4);
+                _tile_loadd(3, o + 16 * M + 16, M * 4);
+                for (int64_t c = 0; c < ncp; c += 32) {
+                    _tile_loadd(4, vT + j * ldv + c, ldv * 2);
+                    _tile_loadd(5, vT + (j + 16) * ldv + c, ldv * 2);
+                    _tile_loadd(6, pb + (c / 2) * RB + r, RB * 4);
+                    _tile_loadd(7, pb + (c / 2) * RB + r + 16, RB * 4);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, o, M * 4);
+                _tile_stored(1, o + 16, M * 4);
+                _tile_stored(2, o + 16 * M, M * 4);
+                _tile_stored(3, o + 16 * M + 16, M * 4);
+            }
+        }
+    }
+};
+
+using LoopF32 = TileLoop<V512, F32Gemm<V512>>;
+using LoopBf16 = TileLoop<V512, Bf16Gemm<V512>>;
+using LoopAmx = TileLoop<V512, AmxGemm>;
+
+int64_t scratch_floats(const Params& p, int64_t rows) {
+    if (DType(p.dtype) != DType::bf16) return LoopF32::scratch_floats(p, rows);
+    const int64_t a = LoopAmx::scratch_floats(p, rows), b = LoopBf16::scratch_floats(p, rows);
+    return a > b ? a : b;
+}
+
+void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+    if (DType(p.dtype) != DType::bf16) return LoopF32::run_item(p, it, scratch, parts);
+    const int64_t rows = int64_t(it.g1 - it.g0) * (it.i1 - it.i0);
+    if (rows < kMinAmxRows) return LoopBf16::run_item(p, it, scratch, parts);
+    configure_tiles();  // per item: cheap next to a 32+ row item, and robust to other tile users
+    LoopAmx::run_item(p, it, scratch, parts);
+    _tile_release();
+}
+
+// tdpbf16ps peak: 4 independent accumulator tiles, 16 x 16 x 32 multiply-adds per instruction.
+double amx_peak(double seconds) {
+    alignas(64) static thread_local uint16_t A[16 * 32], B[16 * 32];
+    alignas(64) static thread_local float C[16 * 16];
+    for (int i = 0; i < 16 * 32; ++i) { A[i] = 0x3f80; B[i] = 0x3380; }
+    configure_tiles();
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, A, 64); _tile_loadd(5, A, 64); _tile_loadd(6, B, 64); _tile_loadd(7, B, 64);
+    int64_t iters = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    double el = 0;
+    do {
+        for (int i = 0; i < 4096; ++i) {
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+        iters += 4096;
+        el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } while (el < seconds);
+    _tile_stored(0, C, 64);
+    _tile_release();
+    volatile float keep = C[0];
+    (void)keep;
+    return 4.0 * 2 * 16 * 16 * 32 * double(iters) / el * 1e-9;
+}
+
+double peak(int dtype, double seconds) {
+    return DType(dtype) == DType::bf16 ? amx_peak(seconds) : fma_peak_gflops<V512>(seconds);
+}
+
+}  // namespace
+
+extern const KernelTable kTableAmx = KernelTable{Isa::amx, V512::MAX_ROWS, V512::BC, &scratch_floats, &run_item, &peak};
+
+}  // namespace fa2cpu
