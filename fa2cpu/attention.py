@@ -74,22 +74,26 @@ def _threads(num_threads):
     return _int("num_threads", num_threads, 1)
 
 
-def _head_dims(q_name, q_d, k_d, v_d):
+def _head_dims(q_name, q_d, k_d, v_d, shapes):
+    """shapes: {name: user-facing shape} for the messages."""
     if q_d != k_d:
-        raise ValueError(f"k: head dim {k_d} does not match {q_name}'s head dim {q_d}")
+        raise ValueError(f"k: head dim {k_d} does not match {q_name}'s head dim {q_d} "
+                         f"(k shape {shapes['k']}, {q_name} shape {shapes[q_name]})")
     for name, d in ((q_name, q_d), ("v", v_d)):
         if not 1 <= d <= MAX_HEAD_DIM:
-            raise ValueError(f"{name}: head dim must be in 1..{MAX_HEAD_DIM}, got {d}")
+            raise ValueError(f"{name}: head dim must be in 1..{MAX_HEAD_DIM}, got {d} (shape {shapes[name]})")
 
 
-def _heads(hq, hk, hv):
+def _heads(hq, hk, hv, shapes, q_name="q", k_name="k", v_name="v"):
     if hk < 1:
-        raise ValueError(f"k: needs at least one head, got {hk}")
+        raise ValueError(f"{k_name}: needs at least one head, got shape {shapes[k_name]}")
     if hv != hk:
-        raise ValueError(f"v: {hv} heads do not match k's {hk} heads")
+        raise ValueError(f"{v_name}: {hv} heads do not match {k_name}'s {hk} heads "
+                         f"({v_name} shape {shapes[v_name]}, {k_name} shape {shapes[k_name]})")
     if hq % hk:
-        raise ValueError(f"q: number of query heads {hq} is not a multiple of the number of "
-                         f"key/value heads {hk} (GQA/MQA needs Hq % Hk == 0)")
+        raise ValueError(f"{q_name}: number of query heads {hq} is not a multiple of the number of "
+                         f"key/value heads {hk} (GQA/MQA needs Hq % Hk == 0; {q_name} shape {shapes[q_name]}, "
+                         f"{k_name} shape {shapes[k_name]})")
 
 
 class _Options:
@@ -257,14 +261,17 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
         q4, k4, v4 = q[lift], k[lift], v[lift]
     B, Hq, Nq, D = q4.shape
     _, Hk, Nk, Dk = k4.shape
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
     if k4.shape[0] != B or v4.shape[0] != B:
-        bad, a = ("k", k4) if k4.shape[0] != B else ("v", v4)
-        raise ValueError(f"{bad}: batch size {a.shape[0]} does not match q's batch size {B}")
-    _heads(Hq, Hk, v4.shape[1])
+        bad = "k" if k4.shape[0] != B else "v"
+        raise ValueError(f"{bad}: batch size does not match q's: expected {B}, got shape {shapes[bad]} "
+                         f"(q shape {q.shape})")
+    _heads(Hq, Hk, v4.shape[1], shapes)
     if v4.shape[2] != Nk:
-        raise ValueError(f"v: sequence length {v4.shape[2]} does not match k's sequence length {Nk}")
+        raise ValueError(f"v: sequence length {v4.shape[2]} does not match k's {Nk} "
+                         f"(v shape {v.shape}, k shape {k.shape})")
     Dv = v4.shape[3]
-    _head_dims("q", D, Dk, Dv)
+    _head_dims("q", D, Dk, Dv, shapes)
     opt = _Options(D, causal, scale, window, softcap)
     alibi = _alibi(alibi_slopes, B, Hq)
     mask4, mask_kind = _mask(mask, (B, Hq, Nq, Nk))
@@ -329,11 +336,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
             raise ValueError(f"{name}: expected a 3-D (total, H, D) array, got shape {a.shape}")
     Tq, Hq, D = q.shape
     Tk, Hk, Dk = k.shape
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
     if v.shape[0] != Tk:
-        raise ValueError(f"v: {v.shape[0]} rows do not match k's {Tk} rows")
-    _heads(Hq, Hk, v.shape[1])
+        raise ValueError(f"v: {v.shape[0]} rows do not match k's {Tk} rows (v shape {v.shape}, k shape {k.shape})")
+    _heads(Hq, Hk, v.shape[1], shapes)
     Dv = v.shape[2]
-    _head_dims("q", D, Dk, Dv)
+    _head_dims("q", D, Dk, Dv, shapes)
     cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq)
     cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk)
     if cu_q.shape != cu_k.shape:
@@ -393,9 +401,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     nb, rows, Hk, Dk = k_cache.shape
     if v_cache.shape[:2] != (nb, rows):
         raise ValueError(f"v_cache: shape {v_cache.shape} does not match k_cache's leading dims {(nb, rows)}")
-    _heads(Hq, Hk, v_cache.shape[2])
+    shapes = {"q": q.shape, "k_cache": k_cache.shape, "v_cache": v_cache.shape, "k": k_cache.shape, "v": v_cache.shape}
+    _heads(Hq, Hk, v_cache.shape[2], shapes, k_name="k_cache", v_name="v_cache")
     Dv = v_cache.shape[3]
-    _head_dims("q", D, Dk, Dv)
+    _head_dims("q", D, Dk, Dv, shapes)
     if not k_cache.flags.writeable and k is not None:
         raise ValueError("k_cache: array is read-only but k/v are to be appended")
 

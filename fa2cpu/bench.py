@@ -349,16 +349,16 @@ class Probes:
 
     def _measure_peak(self, family: str, dtype: str, threads: int) -> float | None:
         if self._peak_fn is None:
-            self._note("this fa2cpu build has no peak probe (_core.peak_gflops): %peak not shown")
+            self.note("this fa2cpu build has no peak probe (_core.peak_gflops): %peak not shown")
             return None
         try:
             gflops = float(self._peak_fn(family, dtype, threads))
             return gflops if gflops > 0 else None   # 0.0: the family cannot run here
         except (ValueError, TypeError, RuntimeError) as e:
             if dtype == "fp16":   # families without fp16 arithmetic convert to fp32
-                self._note("fp16 %peak is against the fp32 FMA peak (no fp16 probe)")
+                self.note("fp16 %peak is against the fp32 FMA peak (no fp16 probe)")
                 return self._measure_peak(family, "fp32", threads)
-            self._note(f"peak probe failed for {family}/{dtype}: {e}")
+            self.note(f"peak probe failed for {family}/{dtype}: {e}")
             return None
 
     def bandwidth(self, threads: int) -> float | None:
@@ -368,19 +368,19 @@ class Probes:
 
     def _measure_bandwidth(self, threads: int) -> float | None:
         if self._bw_fn is None:
-            self._note("this fa2cpu build has no bandwidth probe (_core.read_bandwidth_gbs): %bw not shown")
+            self.note("this fa2cpu build has no bandwidth probe (_core.read_bandwidth_gbs): %bw not shown")
             return None
         # Far larger than the last-level cache, so the probe measures DRAM.
         nbytes = max(256 << 20, 8 * (self.machine["l3_bytes"] or 64 << 20))
         try:
             gbs = float(self._bw_fn(threads, nbytes))
         except (ValueError, RuntimeError, MemoryError) as e:
-            self._note(f"bandwidth probe failed: {e}")
+            self.note(f"bandwidth probe failed: {e}")
             return None
         self.machine["read_bandwidth"].append({"threads": threads, "nbytes": nbytes, "gbs": gbs})
         return gbs
 
-    def _note(self, text: str) -> None:
+    def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
 
@@ -595,12 +595,8 @@ def torch_runner(case: Case, x: Inputs, threads: int, torch) -> Runner:
 
 @dataclass
 class Timing:
-    times_s: list[float]
+    times_s: list[float]       # seconds per call, one entry per sample
     calls_per_sample: int
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.times_s)
 
 
 def measure(call: Callable[[], object], warmup: int, repeat: int) -> tuple[Timing, object]:
@@ -673,6 +669,14 @@ class Record:
     @property
     def pct_bw(self) -> float | None:
         return 100 * self.gbs / self.read_bw_gbs if self.ok and self.read_bw_gbs else None
+
+    @classmethod
+    def from_json(cls, rec: dict) -> "Record":
+        """Inverse of to_json (derived values such as gflops are recomputed from the times)."""
+        case = Case(**{f.name: rec[f.name] for f in dataclasses.fields(Case)})
+        case = dataclasses.replace(case, seqlens=tuple(case.seqlens) if case.seqlens else None)
+        own = {f.name: rec[f.name] for f in dataclasses.fields(cls) if f.name != "case"}
+        return cls(case, **own)
 
     def to_json(self, machine: dict) -> dict:
         t = self.times_s
@@ -838,8 +842,12 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "" if value is None else f"{value:{spec}}{suffix}"
 
 
-def format_table(headers: list[str], rows: list[list[str]], left: int) -> str:
-    """Columns before index `left` are left-aligned text, the rest right-aligned numbers."""
+def format_table(headers: list[str], rows: list[list[str]], left: int, markdown: bool = False) -> str:
+    """Aligned plain text (columns before index `left` left-aligned text, the rest right-aligned
+    numbers), or a Markdown table."""
+    if markdown:
+        align = ["---" if i < left else "--:" for i in range(len(headers))]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in [headers, align] + rows)
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells):
@@ -906,7 +914,7 @@ class Notes:
 
 
 def format_results(records: list[Record], mode: str, baselines: list[str], several_threads: bool,
-                   notes: Notes) -> str:
+                   notes: Notes, markdown: bool = False) -> str:
     decode = mode == "decode"
     headers = ["shape", "dtype", "causal"] + (["thr"] if several_threads else []) + ["impl"]
     left = len(headers)
@@ -934,10 +942,10 @@ def format_results(records: list[Record], mode: str, baselines: list[str], sever
         row += [_fmt(r.max_abs_err, ".1e"), r.check or ""]
         row.append(notes.ref(r.note))
         rows.append(row)
-    return format_table(headers, rows, left)
+    return format_table(headers, rows, left, markdown)
 
 
-def format_scaling(records: list[Record], threads: list[int]) -> str:
+def format_scaling(records: list[Record], threads: list[int], markdown: bool = False) -> str:
     """Rate per thread count, with the speedup over the smallest count in brackets."""
     series: dict[tuple, dict[int, Record]] = {}
     for r in records:
@@ -960,7 +968,7 @@ def format_scaling(records: list[Record], threads: list[int]) -> str:
         rows.append([case.label(), case.dtype, "yes" if case.causal else "no", label] + cells)
     unit = "GB/s for decode, GFLOP/s otherwise"
     return (f"Thread scaling ({unit}; in brackets: speedup over {threads[0]} thread(s))\n"
-            + format_table(headers, rows, 4))
+            + ("\n" if markdown else "") + format_table(headers, rows, 4, markdown))
 
 
 def format_summary(records: list[Record], baselines: list[str]) -> str:
@@ -979,9 +987,12 @@ def format_summary(records: list[Record], baselines: list[str]) -> str:
     return "\n".join(lines)
 
 
-def print_report(records: list[Record], args: argparse.Namespace, probes: Probes) -> None:
+def print_report(records: list[Record], baselines: list[str], extra_notes: list[str],
+                 markdown: bool = False) -> None:
+    """Results table per mode, thread scaling (when several counts), footnotes and summary."""
     notes = Notes()
-    several = len(args.threads) > 1
+    threads = sorted({r.threads for r in records})
+    several = len(threads) > 1
     for mode in MODES:
         rows = [r for r in records if r.case.mode == mode]
         if not rows:
@@ -989,24 +1000,24 @@ def print_report(records: list[Record], args: argparse.Namespace, probes: Probes
         what = {"prefill": "prefill (Nq = Nk unless --seqlen-k)",
                 "decode": "decode (Nq = 1 against a KV cache of Nk tokens)",
                 "varlen": "varlen (packed ragged batch)"}[mode]
-        print(f"\n{what}")
-        print(format_results(rows, mode, args.baselines, several, notes))
-    if several and records:
+        print(f"\n{what}" + ("\n" if markdown else ""))
+        print(format_results(rows, mode, baselines, several, notes, markdown))
+    if several:
         print()
-        print(format_scaling(records, args.threads))
+        print(format_scaling(records, threads, markdown))
     refs = {r.error_ref for r in records if r.error_ref}
     if refs:
         notes.ref("max err: largest |out - ref| against the first baseline measured per shape "
                   "(numpy computes in float32 from the same rounded inputs); 'reference' = untimed "
                   "NumPy float32; check uses |out-ref| <= atol + rtol*|ref| with (atol, rtol) "
                   + ", ".join(f"{k} {v}" for k, v in TOLERANCES.items()))
-    for text in probes.notes:
+    for text in extra_notes:
         notes.ref(text)
     if notes.texts:
-        print("\n" + notes.format())
-    summary = format_summary(records, args.baselines)
+        print("\n" + notes.format().replace("\n", "\n\n" if markdown else "\n"))
+    summary = format_summary(records, baselines)
     if summary:
-        print("\n" + summary)
+        print("\n" + summary.replace("\n", "\n\n" if markdown else "\n"))
 
 
 def _json_safe(obj):
@@ -1266,9 +1277,9 @@ def main(argv: list[str] | None = None) -> int:
     probes = Probes(machine)
     if "torch" in args.baselines and torch is None:
         args.baselines.remove("torch")
-        probes.notes.append("torch baseline skipped: torch is not installed (pip install torch)")
+        probes.note("torch baseline skipped: torch is not installed (pip install torch)")
     if max(args.threads) > machine["logical_cpus"]:
-        probes.notes.append(f"more threads ({max(args.threads)}) than usable CPUs "
+        probes.note(f"more threads ({max(args.threads)}) than usable CPUs "
                             f"({machine['logical_cpus']}): timings oversubscribe the cores")
     cases = build_cases(args)
     default_isa = fa2cpu.get_isa()
@@ -1292,7 +1303,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep.progress.close()
         fa2cpu.set_isa(default_isa)
     add_speedups(records)
-    print_report(records, args, probes)
+    print_report(records, args.baselines, probes.notes)
     argv_used = sys.argv[1:] if argv is None else list(argv)
     if args.json:
         write_json(args.json, records, machine, argv_used, interrupted)

@@ -11,6 +11,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
+import threadpoolctl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -28,6 +29,10 @@ def _load_reference():
 
 
 ref = _load_reference()
+
+# The oracle's matmuls are small: OpenBLAS threads contending with fa2cpu's OpenMP threads for the
+# same cores made them 10-20x slower. One BLAS thread for the whole session (OpenMP is untouched).
+_BLAS_ONE_THREAD = threadpoolctl.threadpool_limits(1, user_api="blas")
 
 # ---------------------------------------------------------------------------------------------
 # Tolerances: the ONE table. Kernel output vs the float64 reference computed from the same
