@@ -35,6 +35,8 @@ SCRIPT = textwrap.dedent("""
         mask = np.broadcast_to(rng.random(n) < 0.9, (1, 1, n, n))
     elif mask_kind == "float":
         mask = np.broadcast_to(rng.standard_normal(n, dtype=np.float32), (1, 1, n, n))
+    elif mask_kind == "float64":  # another float dtype: any conversion must happen un-broadcast
+        mask = np.broadcast_to(rng.standard_normal(n), (1, 1, n, n))
     small = [x[:, :, :64] for x in (q, k, v)]
     fa2cpu.flash_attention(*small, causal=causal, mask=None if mask is None else mask[:, :, :64, :64])
     base = hwm_kib()
@@ -50,7 +52,8 @@ SCRIPT = textwrap.dedent("""
     (32768, 64, True, "none"),
     (16384, 64, False, "bool"),   # expanding this mask would take 256 MiB
     (16384, 64, True, "float"),   # expanding this one, 1 GiB
-], ids=["32k", "32k-causal", "16k-bool-mask", "16k-float-mask"])
+    (16384, 64, False, "float64"),  # converting the broadcast view to float32: 1 GiB
+], ids=["32k", "32k-causal", "16k-bool-mask", "16k-float-mask", "16k-float64-mask"])
 def test_peak_memory(n, d, causal, mask):
     res = subprocess.run([sys.executable, "-c", SCRIPT, str(n), str(d), "1" if causal else "0", mask],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
