@@ -155,7 +155,9 @@ def _mask(mask, shape):
     elif m.dtype.kind == "f" or m.dtype == ml_dtypes.bfloat16:
         kind = 2
         if m.dtype != np.float32:
-            m = m.astype(np.float32)  # at the mask's own (un-broadcast) size
+            # Convert at the mask's own size: axes the caller broadcast (stride 0) stay broadcast.
+            compact = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(m.strides, m.shape))
+            m = np.broadcast_to(m[compact].astype(np.float32), m.shape)
     else:
         raise TypeError(f"mask: dtype {m.dtype} is not supported; expected bool (True = attend) "
                         f"or a float dtype (added to the scores)")

@@ -52,7 +52,8 @@ RECORD (one per measurement, self-contained):
   machine         MACHINE, repeated so a record stands alone
 Times are seconds, rates GFLOP/s and GB/s (1e9). Unmeasured values are null.
 
-Exit status: 0 success, 1 a correctness check failed or a measurement raised, 2 bad arguments,
+Exit status: 0 success, 1 a correctness check failed, a measurement raised or an output file
+could not be written, 2 bad arguments,
 130 interrupted (the tables and JSON still hold what was measured).
 """
 from __future__ import annotations
@@ -112,6 +113,7 @@ SETTLE_AFTER_BLAS_S = 0.2
 MIN_SAMPLE_S = 2e-3           # calls shorter than this are repeated inside one timed sample
 MAX_CALLS_PER_SAMPLE = 1000
 REFERENCE_CHUNK_BYTES = 64 << 20   # score-matrix slice of the untimed chunked NumPy reference
+PROBE_RUNS = 3                # peak and bandwidth probes report the best of this many runs
 PROGRESS_AFTER_S = 2.0        # the progress line appears only once a sweep has run this long
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
               "amx_tile", "amx_bf16", "amx_int8")
@@ -275,6 +277,16 @@ def busy_cpus(interval: float = 0.1) -> float | None:
     return logical_cpus() * (1 - (idle1 - idle0) / (total1 - total0))
 
 
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None off Linux."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return None
+
+
 def logical_cpus() -> int:
     with contextlib.suppress(AttributeError):
         return len(os.sched_getaffinity(0))
@@ -324,7 +336,9 @@ def machine_info(torch) -> dict:
 
 
 class Probes:
-    """Peak GFLOP/s and read bandwidth measured by the extension's probes, cached for the run."""
+    """Peak GFLOP/s and read bandwidth measured by the extension's probes, cached for the run.
+    Each is the best of PROBE_RUNS runs: a peak is what the machine can do, and another process
+    stealing a core must not lower it (that would inflate every %peak)."""
 
     def __init__(self, machine: dict):
         self.machine = machine
@@ -352,7 +366,7 @@ class Probes:
             self.note("this fa2cpu build has no peak probe (_core.peak_gflops): %peak not shown")
             return None
         try:
-            gflops = float(self._peak_fn(family, dtype, threads))
+            gflops = max(float(self._peak_fn(family, dtype, threads)) for _ in range(PROBE_RUNS))
             return gflops if gflops > 0 else None   # 0.0: the family cannot run here
         except (ValueError, TypeError, RuntimeError) as e:
             if dtype == "fp16":   # families without fp16 arithmetic convert to fp32
@@ -373,7 +387,7 @@ class Probes:
         # Far larger than the last-level cache, so the probe measures DRAM.
         nbytes = max(256 << 20, 8 * (self.machine["l3_bytes"] or 64 << 20))
         try:
-            gbs = float(self._bw_fn(threads, nbytes))
+            gbs = max(float(self._bw_fn(threads, nbytes)) for _ in range(PROBE_RUNS))
         except (ValueError, RuntimeError, MemoryError) as e:
             self.note(f"bandwidth probe failed: {e}")
             return None
@@ -456,18 +470,21 @@ def canonical(case: Case, outs: list[np.ndarray]) -> np.ndarray:
 
 
 def numpy_attention(q, k, v, causal: bool, scale: float, row_chunk: int | None = None) -> np.ndarray:
-    """Naive attention in float32: materialised scores, softmax, P @ V. bhsd in and out; GQA by
-    broadcasting (K/V not repeated); bottom-right causal; rows that see no key give 0."""
-    b, hq, nq, _ = q.shape
+    """Naive attention in float32: materialised scores, softmax, P @ V. bhsd in and out;
+    bottom-right causal; rows that see no key give 0. GQA: the G = Hq/Hk query heads of a group
+    are stacked as rows of one matrix, so each K/V head is read once per matmul, never repeated."""
+    b, hq, nq, d = q.shape
     hk, nk, dv = k.shape[1], k.shape[2], v.shape[3]
-    q = q.astype(np.float32, copy=False).reshape(b, hk, hq // hk, nq, -1)
-    k = k.astype(np.float32, copy=False)[:, :, None]
-    v = v.astype(np.float32, copy=False)[:, :, None]
-    out = np.empty((b, hk, hq // hk, nq, dv), np.float32)
+    g = hq // hk
+    q = q.astype(np.float32, copy=False).reshape(b, hk, g, nq, d)
+    kt = np.swapaxes(k.astype(np.float32, copy=False), -1, -2)
+    v = v.astype(np.float32, copy=False)
+    out = np.empty((b, hk, g, nq, dv), np.float32)
     step = row_chunk or nq
     for r0 in range(0, nq, step):
         r1 = min(nq, r0 + step)
-        s = q[..., r0:r1, :] @ np.swapaxes(k, -1, -2)
+        rows = r1 - r0
+        s = (q[..., r0:r1, :].reshape(b, hk, g * rows, d) @ kt).reshape(b, hk, g, rows, nk)
         s *= scale
         if causal:   # additive 0 / -inf bias, broadcast over batch and heads
             hidden = np.arange(nk)[None, :] > np.arange(r0, r1)[:, None] + (nk - nq)
@@ -478,7 +495,7 @@ def numpy_attention(q, k, v, causal: bool, scale: float, row_chunk: int | None =
         np.exp(s, out=s)
         denom = s.sum(axis=-1, keepdims=True)
         denom[denom == 0] = 1.0
-        o = s @ v
+        o = (s.reshape(b, hk, g * rows, nk) @ v).reshape(b, hk, g, rows, dv)
         o /= denom
         out[..., r0:r1, :] = o
     return out.reshape(b, hq, nq, dv)
@@ -766,7 +783,7 @@ def run_one(sweep: Sweep, case: Case, impl: str, threads: int, make_runner,
     rec = Record(case, impl, threads, isa=isa, warmup=sweep.warmup, repeat=sweep.repeat)
     rec.peak_family = isa or sweep.default_isa
     sweep.progress.step(f"{case.mode} {case.dtype} {'causal ' if case.causal else ''}"
-                        f"{case.label()} {rec.label} x{threads}")
+                        f"{case.label()} {rec.label}, {threads} thr")
     try:
         runner = make_runner()
         if isinstance(runner, str):
@@ -793,7 +810,20 @@ def run_one(sweep: Sweep, case: Case, impl: str, threads: int, make_runner,
 def run_case(sweep: Sweep, case: Case, records: list[Record]) -> None:
     """Measure one case with every thread count, baseline and family, appending to `records` as it
     goes (so an interrupted sweep keeps what it measured)."""
-    x = make_inputs(case, sweep.seed)
+    # Inputs and output, plus the baselines' bhsd copies; refuse rather than meet the OOM killer.
+    need, free = case.bytes * (2 if sweep.baselines else 1), available_memory()
+    try:
+        if free is not None and need > free:
+            raise MemoryError
+        x = make_inputs(case, sweep.seed)
+    except MemoryError:
+        note = (f"inputs of {case.label()} need about {need >> 20} MiB, more than the memory available"
+                + (f" ({free >> 20} MiB)" if free is not None else ""))
+        for threads in sweep.threads:
+            for impl, isa in [(b, None) for b in sweep.baselines] + [("fa2cpu", i) for i in sweep.isas]:
+                sweep.progress.step(note)
+                records.append(Record(case, impl, threads, isa=isa, status="error", note=note))
+        return
     ref: tuple[str, np.ndarray] | None = None
     for threads in sweep.threads:
         makers = {"numpy": lambda: numpy_runner(case, x, threads, sweep.numpy_max_bytes),
@@ -1260,6 +1290,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else:
             chosen.append(isa)
     args.isa = list(dict.fromkeys(chosen))
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.access(folder, os.W_OK):
+            parser.error(f"{option} {path}: cannot write into {folder} (missing or read-only)")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -1280,7 +1314,7 @@ def main(argv: list[str] | None = None) -> int:
         probes.note("torch baseline skipped: torch is not installed (pip install torch)")
     if max(args.threads) > machine["logical_cpus"]:
         probes.note(f"more threads ({max(args.threads)}) than usable CPUs "
-                            f"({machine['logical_cpus']}): timings oversubscribe the cores")
+                    f"({machine['logical_cpus']}): timings oversubscribe the cores")
     cases = build_cases(args)
     default_isa = fa2cpu.get_isa()
     steps = len(cases) * len(args.threads) * (len(args.baselines) + len(args.isa))
@@ -1305,21 +1339,26 @@ def main(argv: list[str] | None = None) -> int:
     add_speedups(records)
     print_report(records, args.baselines, probes.notes)
     argv_used = sys.argv[1:] if argv is None else list(argv)
+    written = True
     if args.json:
-        write_json(args.json, records, machine, argv_used, interrupted)
-        print(f"\nwrote {len(records)} records to {args.json}")
+        try:
+            write_json(args.json, records, machine, argv_used, interrupted)
+            print(f"\nwrote {len(records)} records to {args.json}")
+        except OSError as e:
+            print(f"fa2cpu-bench: cannot write {args.json}: {e}", file=sys.stderr)
+            written = False
     if args.plot and records:
         try:
             write_plot(args.plot, records, machine)
-        except BenchError as e:
-            print(f"fa2cpu-bench: {e}", file=sys.stderr)
-        else:
             print(f"wrote plot to {args.plot}")
+        except (BenchError, OSError) as e:
+            print(f"fa2cpu-bench: no plot: {e}", file=sys.stderr)
+            written = False
     if interrupted:
         print("fa2cpu-bench: interrupted; results above are partial", file=sys.stderr)
         return 130
     failed = any(r.check == "FAIL" or r.status == "error" for r in records)
-    return 1 if failed else 0
+    return 1 if failed or not written else 0
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ def test_help_documents_every_option_and_the_json_schema(capsys):
     (["--isa", "avx9"], "unknown isa"),
     (["--heads", "6", "--kv-heads", "4"], "must divide"),
     (["--baselines", "numpy", "none"], "cannot be combined"),
+    (["--json", "/nonexistent-dir/out.json"], "cannot write into"),
 ])
 def test_bad_arguments_exit_2_with_a_message(capsys, args, message):
     with pytest.raises(SystemExit) as e:
@@ -261,6 +262,13 @@ def test_numpy_skipped_above_its_memory_limit(capsys):
                             "--seqlen", "2048", "--baselines", "numpy", "--numpy-max-mib", "1")
     assert code == 0
     assert "skipped" in out and "numpy skipped" in out
+
+
+def test_shape_too_big_for_memory_is_an_error_row_not_a_crash(capsys):
+    code, out, _ = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "--no-causal",
+                            "--batch", "64", "--heads", "64", "--seqlen", "300000", "--baselines", "none")
+    assert code == 1
+    assert "error" in out and "more than the memory available" in out
 
 
 def test_varlen_mode(capsys):

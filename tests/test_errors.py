@@ -42,6 +42,16 @@ def test_bad_dtype_names_argument(bad, which):
     assert "float32" in msg and "bfloat16" in msg, f"message should list accepted dtypes: {msg}"
 
 
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_non_native_byte_order(which):
+    """'>f4' is not float32 in memory: reject it rather than read garbage."""
+    q, k, v = _qkv()
+    args = {"q": q, "k": k, "v": v}
+    args[which] = args[which].astype(args[which].dtype.newbyteorder(">"))
+    with pytest.raises(TypeError, match=arg(which)):
+        fa2cpu.flash_attention(args["q"], args["k"], args["v"])
+
+
 @pytest.mark.parametrize("dtypes,which", [
     ((np.float32, np.float16, np.float32), "k"),
     ((np.float32, np.float32, ml_dtypes.bfloat16), "v"),

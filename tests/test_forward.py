@@ -267,6 +267,50 @@ def test_broadcast_kv(isa, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_strides_along_sequence_and_dim(isa, rng, dtype):
+    """K/V repeated along the key axis and along D through stride 0."""
+    q = rand(rng, (1, 2, 40, 24), dtype)
+    k1, v1 = rand(rng, (1, 2, 1, 24), dtype), rand(rng, (1, 2, 70, 1), dtype)
+    k = np.broadcast_to(k1, (1, 2, 70, 24))          # every key the same
+    v = np.broadcast_to(v1, (1, 2, 70, 16))          # every v row constant along Dv
+    out, _ = check(q, k, v, dtype, causal=True)
+    check(q, rand(rng, (1, 2, 70, 24), dtype), v, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exotic_byte_layouts(isa, rng, dtype):
+    """A field of a structured array (byte stride not a multiple of the item size) and an
+    unaligned data pointer give the same answer as plain arrays."""
+    q, k, v = qkv(rng, 1, 2, 2, 33, 47, 16, dtype=dtype)
+    rec = np.zeros(q.shape, dtype=[("x", q.dtype), ("pad", "u1")])
+    rec["x"] = q
+    assert rec["x"].strides[-1] == q.itemsize + 1
+    check(rec["x"], k, v, dtype)
+    buf = np.zeros(k.nbytes + 1, np.uint8)
+    unaligned = np.ndarray(k.shape, k.dtype, buffer=buf, offset=1)
+    unaligned[...] = k
+    assert not unaligned.flags.aligned
+    check(q, unaligned, v, dtype, causal=True)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_out_overlapping_an_input_is_never_silently_wrong(isa, rng, which):
+    """out= aliasing an input: either a ValueError naming out (nothing written) or the right answer."""
+    q, k, v = qkv(rng, 1, 2, 2, 70, 70, 16)
+    args = {"q": q, "k": k, "v": v}
+    expect, _ = ref.attention_ref(q, k, v, causal=True)
+    alias = args[which]
+    saved = alias.copy()
+    try:
+        fa2cpu.flash_attention(q, k, v, causal=True, out=alias)
+    except ValueError as e:
+        assert "out" in str(e)
+        np.testing.assert_array_equal(alias, saved)
+    else:
+        check_close(alias, expect, "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_bshd_views(isa, rng, dtype):
     q, k, v = qkv(rng, 2, 4, 2, 65, 129, 32, dtype=dtype, layout="bshd")
     qv = q[:, ::-1]                                   # negative stride along Nq

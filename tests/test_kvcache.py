@@ -315,6 +315,21 @@ def test_readonly_cache_with_append():
     _expect_error(ValueError, "k_cache", q, kc, vc, kn, vn, cache_seqlens=np.array([1, 2], np.int32))
 
 
+def test_readonly_and_broadcast_cache_without_append(isa):
+    """Reading needs no write access: a read-only or np.broadcast_to cache works without k/v."""
+    rng = np.random.default_rng(9)
+    kc, vc, _ = make_cache(rng, 2, 64, 2, 16, 16, "float32")
+    q = rand(rng, (2, 1, 4, 16))
+    lens = np.array([10, 50], np.int32)
+    kr = kc.copy()
+    kr.flags.writeable = False
+    check_kv(q, kr, vc, None, None, "float32", cache_seqlens=lens)
+    kb = np.broadcast_to(kc[:1], kc.shape)
+    check_kv(q, kb, vc, None, None, "float32", cache_seqlens=lens)
+    kn, vn = rand(rng, (2, 1, 2, 16)), rand(rng, (2, 1, 2, 16))
+    _expect_error(ValueError, "k_cache", q, kb, vc, kn, vn, cache_seqlens=lens)
+
+
 @pytest.mark.parametrize("n", [0, -1])
 def test_bad_num_threads_and_splits(n):
     q, kc, vc, kn, vn, _ = _small()
