@@ -9,9 +9,10 @@ import warnings as _warnings
 
 from . import _core
 from .attention import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
+from .backward import flash_attention_backward
 
 __version__ = "0.1.0"
-__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "flash_attention_backward",
            "available_isas", "get_isa", "set_isa", "show_config", "__version__"]
 
 ISA_FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "generic")  # best first

@@ -23,7 +23,8 @@ import math
 
 import numpy as np
 
-__all__ = ["attention_ref", "varlen_ref", "kvcache_ref", "kvcache_update_ref", "visible_band"]
+__all__ = ["attention_ref", "varlen_ref", "kvcache_ref", "kvcache_update_ref", "visible_band",
+           "attention_backward_ref"]
 
 
 def _f64(x):
@@ -227,3 +228,76 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, bloc
         o, l = attention_ref(q[b:b + 1], kb[None], vb[None], layout="bshd", alibi_slopes=sb, **options)
         out[b], lse[b] = o[0], l[0]
     return out, lse
+
+
+def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=None,
+                           alibi_slopes=None, layout="bhsd"):
+    """Float64 reference of ``fa2cpu.flash_attention_backward``: analytic gradients of
+    :func:`attention_ref` (no mask) for the loss ``sum(out * dout)``.
+
+    The forward is recomputed here from q, k, v (the caller's out/lse are not used), with the
+    full score matrix per (batch, head)::
+
+        dV  = P^T dO                         summed over the query heads of a GQA group
+        dP  = dO V^T
+        dS  = P * (dP - rowsum(P * dP))      (rowsum(P * dP) = rowsum(dO * O))
+        dS *= 1 - tanh(s_raw / softcap)^2    softcap chain rule, s_raw = scale * q.k
+        dQ  = scale * dS K,  dK = scale * dS^T Q
+
+    Alibi is a constant bias (no gradient); rows that see no key contribute nothing.
+    Returns ``(dq, dk, dv)`` float64 with the shapes of q, k, v (any rank / layout they have).
+    """
+    dout, q, k, v = _f64(dout), _f64(q), _f64(k), _f64(v)
+    rank = q.ndim
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"reference: layout {layout!r}")
+    if layout == "bshd":
+        if rank != 4:
+            raise ValueError("reference: bshd needs 4-D inputs")
+        dout, q, k, v = (x.transpose(0, 2, 1, 3) for x in (dout, q, k, v))
+    elif rank in (2, 3):
+        lead = (1,) * (4 - rank)
+        dout, q, k, v = (x.reshape(lead + x.shape) for x in (dout, q, k, v))
+    elif rank != 4:
+        raise ValueError(f"reference: rank {rank}")
+    B, Hq, Nq, D = q.shape
+    _, Hk, Nk, _ = k.shape
+    group = Hq // Hk
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    band = visible_band(Nq, Nk, causal=causal, window=window)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(_f64(alibi_slopes), (B, Hq)) if np.ndim(alibi_slopes) == 1 else _f64(alibi_slopes)
+        dist = np.abs(np.arange(Nq)[:, None] + Nk - Nq - np.arange(Nk)[None, :]).astype(np.float64)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(B):
+        for h in range(Hq):
+            hk = h // group
+            s_raw = scale * (q[b, h] @ k[b, hk].T)
+            if softcap is not None and softcap > 0:
+                t = np.tanh(s_raw / softcap)
+                s = softcap * t
+            else:
+                t, s = None, s_raw
+            if alibi_slopes is not None:
+                s = s - slopes[b, h] * dist
+            s = np.where(band, s, -np.inf)
+            live = ~np.all(np.isneginf(s), axis=1)
+            p = np.zeros_like(s)
+            if live.any():
+                sl = s[live]
+                e = np.exp(sl - sl.max(axis=1, keepdims=True))
+                p[live] = e / e.sum(axis=1, keepdims=True)
+            do = dout[b, h]
+            dv[b, hk] += p.T @ do
+            dp = do @ v[b, hk].T
+            ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            dq[b, h] = scale * (ds @ k[b, hk])
+            dk[b, hk] += scale * (ds.T @ q[b, h])
+    if layout == "bshd":
+        dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    elif rank in (2, 3):
+        dq, dk, dv = (x.reshape(x.shape[4 - rank:]) for x in (dq, dk, dv))
+    return dq, dk, dv

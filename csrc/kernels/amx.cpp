@@ -1,7 +1,8 @@
 // Family "amx": Intel AMX-BF16 tiles for both GEMMs of bfloat16 attention, AVX-512 for the softmax.
 // Built with the avx512bf16 flags plus -mamx-tile -mamx-bf16 (setup.py). float32 / float16 inputs
-// run the float32 AVX-512 kernels; bf16 items with fewer than kMinAmxRows rows (decode) run the
-// AVX-512-BF16 kernels, where a 16-row tile would be mostly padding.
+// run the float32 AVX-512 kernels; items of at most 16 rows (decode) run the AVX-512 decode
+// policy (gemm_decode.h), and bf16 items with fewer than kMinAmxRows rows the AVX-512-BF16
+// kernels: a 32-row tile block would be mostly padding.
 //
 // Same "rows in lanes" tile loop as every family (tile_loop.h); the AMX GEMM policy computes
 //   S^T[16 keys][16 rows] += K[16 keys][32 d] (A, bf16 rows)  x  Qpairs[16 pairs][16 rows] (B, VNNI)
@@ -12,9 +13,11 @@
 // of C tiles: tmm0-3 accumulate, tmm4-5 hold A, tmm6-7 hold B).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/gemm_bf16.h"
+#include "common/gemm_decode.h"
 #include "common/probe.h"
 #include "common/tile_loop.h"
 #include "common/vec_avx512.h"
@@ -38,7 +41,7 @@ void configure_tiles() {
     _tile_loadconfig(&cfg);
 }
 
-struct AmxGemm {
+struct AmxGemm : TransposedO<V512> {
     static constexpr int W = 16;
     static constexpr int RV = V512::RV;
     static constexpr int RB = RV * W;      // 96 rows: 3 pairs of 16-row tiles
@@ -49,12 +52,13 @@ struct AmxGemm {
 
     static int64_t d2p(int64_t D) { return round_up((D + 1) / 2, 16); }  // Q pair rows
     static int64_t o_rows(int64_t Dv) { return round_up(Dv, 32); }
+    static int64_t o_floats(int64_t Dv, int64_t M) { return o_rows(Dv) * M; }
     static int64_t q_floats(int64_t D, int64_t M) { return d2p(D) * M; }
     static int64_t k_floats(int64_t D) { return BC * round_up(D, 32) / 2; }
     static int64_t v_floats(int64_t Dv) { return o_rows(Dv) * BC / 2; }
     static int64_t p_floats() { return BC / 2 * RB; }
 
-    static const float* q_at(const float* qbuf, int64_t r0) { return qbuf + r0; }
+    static const float* q_at(const float* qbuf, int64_t r0, int64_t, int64_t) { return qbuf + r0; }
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
         Bf16Gemm<V512>::pack_q_row(qbuf, M, r, row, D, 1.f);
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
@@ -111,8 +115,8 @@ struct AmxGemm {
     }
 
     // S^T block (keys x rows) of nv 16-row vectors (nv even, M multiple of 32), times post_scale.
-    static void qk(int nv, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D, int64_t nc,
-                   float* s, float post_scale) {
+    static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
+                   int64_t nc, float* s, float post_scale) {
         const uint32_t* q = reinterpret_cast<const uint32_t*>(qbuf);
         const uint16_t* k = static_cast<const uint16_t*>(kt);
         const int64_t D2p = d2p(D), ncp = round_up(nc, 32);
@@ -142,7 +146,9 @@ struct AmxGemm {
     }
 
     // P (float32, in s) -> bf16 pairs zero-padded to 32 keys; O^T += V^T P^T on 2 x 2 tile blocks.
-    static void pv(int nv, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M, float* pbuf) {
+    static void pv(int nv, int /*rows*/, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
+                   int64_t r0, int64_t M, float* pbuf) {
+        oT += r0;
         uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
         const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -185,12 +191,14 @@ using LoopBf16 = TileLoop<V512, Bf16Gemm<V512>>;
 using LoopAmx = TileLoop<V512, AmxGemm>;
 
 int64_t scratch_floats(const Params& p, int64_t rows) {
-    if (DType(p.dtype) != DType::bf16) return LoopF32::scratch_floats(p, rows);
-    const int64_t a = LoopAmx::scratch_floats(p, rows), b = LoopBf16::scratch_floats(p, rows);
-    return a > b ? a : b;
+    const int64_t d = decode_scratch_floats(p, rows);
+    const int64_t a = DType(p.dtype) != DType::bf16 ? LoopF32::scratch_floats(p, rows)
+                                                     : std::max(LoopAmx::scratch_floats(p, rows), LoopBf16::scratch_floats(p, rows));
+    return a > d ? a : d;
 }
 
 void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+    if (is_decode_item(it)) return run_decode_item(p, it, scratch, parts);
     if (DType(p.dtype) != DType::bf16) return LoopF32::run_item(p, it, scratch, parts);
     const int64_t rows = int64_t(it.g1 - it.g0) * (it.i1 - it.i0);
     if (rows < kMinAmxRows) return LoopBf16::run_item(p, it, scratch, parts);

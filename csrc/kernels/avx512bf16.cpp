@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "common/gemm_bf16.h"
+#include "common/gemm_decode.h"
 #include "common/probe.h"
 #include "common/tile_loop.h"
 #include "common/vec_avx512.h"
@@ -16,10 +17,13 @@ using LoopF32 = TileLoop<V512, F32Gemm<V512>>;
 using LoopBf16 = TileLoop<V512, Bf16Gemm<V512>>;
 
 int64_t scratch_floats(const Params& p, int64_t rows) {
-    return DType(p.dtype) == DType::bf16 ? LoopBf16::scratch_floats(p, rows) : LoopF32::scratch_floats(p, rows);
+    const int64_t a = DType(p.dtype) == DType::bf16 ? LoopBf16::scratch_floats(p, rows) : LoopF32::scratch_floats(p, rows);
+    const int64_t b = decode_scratch_floats(p, rows);
+    return a > b ? a : b;
 }
 void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
-    if (DType(p.dtype) == DType::bf16) LoopBf16::run_item(p, it, scratch, parts);
+    if (is_decode_item(it)) run_decode_item(p, it, scratch, parts);
+    else if (DType(p.dtype) == DType::bf16) LoopBf16::run_item(p, it, scratch, parts);
     else LoopF32::run_item(p, it, scratch, parts);
 }
 

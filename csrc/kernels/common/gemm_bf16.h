@@ -16,19 +16,19 @@
 #include <immintrin.h>
 
 #include "kernel.h"
+#include "o_layout.h"
 
 namespace fa2cpu {
 namespace {
 
 template <class V>
-struct Bf16Gemm {
+struct Bf16Gemm : TransposedO<V> {
     static constexpr int W = 16;
     static constexpr int RV = V::RV, NK = V::NK, ND = V::ND;
     static constexpr int RB = RV * W;
     static constexpr int64_t BC = V::BC;
     static constexpr bool kPostScale = true;
     static constexpr int64_t kRowAlign = W;                   // item rows padded to this
-    static int64_t o_rows(int64_t Dv) { return Dv; }          // rows of the O^T accumulator
     static_assert(V::W == 16, "bf16 pairs fill 16 float32 lanes");
 
     static int64_t q_floats(int64_t D, int64_t M) { return (D + 1) / 2 * M; }
@@ -37,7 +37,7 @@ struct Bf16Gemm {
     static int64_t p_floats() { return (BC + 1) / 2 * RB; }
 
     static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
-    static const float* q_at(const float* qbuf, int64_t r0) { return qbuf + r0; }
+    static const float* q_at(const float* qbuf, int64_t r0, int64_t, int64_t) { return qbuf + r0; }
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
         for (int64_t t = 0; 2 * t < D; ++t)
@@ -176,14 +176,16 @@ struct Bf16Gemm {
         }
     }
 
-    static void qk(int nv, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D, int64_t nc,
-                   float* s, float post_scale) {
+    static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
+                   int64_t nc, float* s, float post_scale) {
         qk_nv(nv, reinterpret_cast<const uint32_t*>(qbuf), M, static_cast<const uint16_t*>(kt), ldk, (D + 1) / 2, nc, s,
               _mm512_set1_ps(post_scale));
     }
 
     // Rounds the float32 P of the row block to bf16 pairs (zero pair half past nc), then O^T += P V.
-    static void pv(int nv, float* s, int64_t nc, const void* vt, int64_t, int64_t Dv, float* oT, int64_t M, float* pbuf) {
+    static void pv(int nv, int /*rows*/, float* s, int64_t nc, const void* vt, int64_t, int64_t Dv, float* oT,
+                   int64_t r0, int64_t M, float* pbuf) {
+        oT += r0;
         uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
         // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
         const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,

@@ -4,12 +4,13 @@
 // while packing, so products keep float32 accuracy).
 #pragma once
 #include "kernel.h"
+#include "o_layout.h"
 
 namespace fa2cpu {
 namespace {
 
 template <class V>
-struct F32Gemm {
+struct F32Gemm : TransposedO<V> {
     using vec = typename V::vec;
     static constexpr int W = V::W;
     static constexpr int RV = V::RV;    // row vectors per micro-tile
@@ -19,7 +20,6 @@ struct F32Gemm {
     static constexpr int64_t BC = V::BC;
     static constexpr bool kPostScale = false;  // Q is packed pre-scaled
     static constexpr int64_t kRowAlign = W;                   // item rows padded to this
-    static int64_t o_rows(int64_t Dv) { return Dv; }          // rows of the O^T accumulator
 
     // Scratch (floats) of the Q operand for M rows, of one packed K / V tile, of a P copy.
     static int64_t q_floats(int64_t D, int64_t M) { return D * M; }
@@ -31,7 +31,7 @@ struct F32Gemm {
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
         for (int64_t d = 0; d < D; ++d) qbuf[d * M + r] = row[d] * qscale;
     }
-    static const float* q_at(const float* qbuf, int64_t r0) { return qbuf + r0; }  // row block start
+    static const float* q_at(const float* qbuf, int64_t r0, int64_t, int64_t) { return qbuf + r0; }  // row block start
     static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
         for (int64_t d = 0; d < D; ++d) qbuf[d * M + r] = 0.f;
     }
@@ -156,13 +156,13 @@ struct F32Gemm {
 
     // The tile loop's interface: S (rows of one block, log2-domain logits before biases) and
     // O^T += P V for a row block of nv vectors; K/V tiles as returned by k_tile / v_tile.
-    static void qk(int nv, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D, int64_t nc,
-                   float* s, float /*post_scale: Q already scaled*/) {
+    static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
+                   int64_t nc, float* s, float /*post_scale: Q already scaled*/) {
         qk_nv(nv, qbuf, M, static_cast<const float*>(kt), ldk, D, nc, s);
     }
-    static void pv(int nv, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M,
-                   float* /*pbuf*/) {
-        pv_nv(nv, s, nc, static_cast<const float*>(vt), ldv, Dv, oT, M);
+    static void pv(int nv, int /*rows*/, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
+                   int64_t r0, int64_t M, float* /*pbuf*/) {
+        pv_nv(nv, s, nc, static_cast<const float*>(vt), ldv, Dv, oT + r0, M);
     }
 
 };

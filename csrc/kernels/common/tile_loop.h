@@ -6,7 +6,7 @@
 // lane l of row-vector v is row v*W + l. Per item:
 //
 //   q   G's Q operand for M rows (float32 [D][M] pre-scaled, or bf16 pairs), zero rows >= R
-//   oT  [Dv][M]       unnormalised output accumulator, float32, transposed
+//   o   unnormalised output accumulator, float32, in G's layout (O^T [Dv][M] for all but decode)
 //   m,l [M]           running max (log2 domain) and running sum per row
 //   kp, vp            one packed K / V tile in G's layout (unused when G reads them in place)
 //   s   [Bc][RB]      float32 scores, then probabilities, of one row block (RB = G::RB rows)
@@ -45,7 +45,7 @@ struct TileLoop {
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
         L.qT = take(G::q_floats(p.d, L.M));
-        L.oT = take(G::o_rows(p.dv) * L.M);
+        L.oT = take(G::o_floats(p.dv, L.M));
         L.kp = take(G::k_floats(p.d));
         L.vp = take(G::v_floats(p.dv));
         L.pb = take(G::p_floats());
@@ -103,7 +103,7 @@ struct TileLoop {
             moff[r] = p.mask ? b * p.m_sb + h * p.m_sh + i * p.m_sq : 0;
         }
         for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
-        for (int64_t j = 0; j < G::o_rows(Dv) * M; ++j) oT[j] = 0.f;
+        for (int64_t j = 0; j < G::o_floats(Dv, M); ++j) oT[j] = 0.f;
         const int64_t khead = it.hkv * p.k_sh, vhead = it.hkv * p.v_sh;
         for (int64_t c0 = lo_min; c0 <= hi_max; c0 += BC) {
             const int64_t nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
@@ -124,10 +124,10 @@ struct TileLoop {
                 if (blo > float(c0 + nc - 1) || bhi < float(c0)) continue;
                 const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + nc - 1);
 
-                G::qk(nv, G::q_at(qT, r0), M, kt, ldk, D, nc, s, G::kPostScale ? qscale : 1.f);
+                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, nc, s, G::kPostScale ? qscale : 1.f);
                 epilogue(p, nv, r0, c0, nc, range_mask, use_softcap, cap_l2, lo_f, hi_f, rel, slope, moff, keep, s);
-                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT + r0, M, Dv);
-                G::pv(nv, s, nc, vt, ldv, Dv, oT + r0, M, pbuf);
+                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT, r0, M, Dv);
+                G::pv(nv, int(rend - r0), s, nc, vt, ldv, Dv, oT, r0, M, pbuf);
             }
         }
         finish(p, it, R, nqi, M, oT, mrow, lrow, parts);
@@ -171,7 +171,7 @@ struct TileLoop {
     // Online softmax for one row block: new max, p = exp2(s - m) in place, l and oT rescaled
     // only for row vectors whose max moved. -inf - -inf is guarded: a row that has seen no
     // visible key keeps m = -inf, l = 0 and contributes p = 0.
-    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t M, int64_t Dv) {
+    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t r0, int64_t M, int64_t Dv) {
         const vec ninf = V::set1(-INFINITY);
         for (int v = 0; v < nv; ++v) {
             vec mx = ninf;
@@ -189,8 +189,7 @@ struct TileLoop {
             if (V::any_gt(m_new, m_old)) {
                 const vec alpha = V::exp2(V::sub(m_old, m_use));
                 V::store(l + v * W, V::fma(V::load(l + v * W), alpha, sum));
-                float* o = oT + v * W;
-                for (int64_t j = 0; j < Dv; ++j) V::store(o + j * M, V::mul(V::load(o + j * M), alpha));
+                G::rescale_o(oT, M, Dv, r0 + v * W, alpha);
             } else {
                 V::store(l + v * W, V::add(V::load(l + v * W), sum));
             }
@@ -208,13 +207,13 @@ struct TileLoop {
             const float lse2 = l == 0.f ? -INFINITY : mrow[r] + std::log2(l);
             if (it.part >= 0) {
                 float* po = parts.o + (it.part + r) * Dv;
-                for (int64_t j = 0; j < Dv; ++j) po[j] = oT[j * M + r] * inv;
+                for (int64_t j = 0; j < Dv; ++j) po[j] = G::o_elem(oT, M, Dv, r, j) * inv;
                 parts.lse[it.part + r] = lse2;
                 continue;
             }
             const int64_t h = it.hkv * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
             const int64_t ob = q_row_offset(p, b, i, p.o_sb, p.o_sn) + h * p.o_sh;
-            for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, oT[j * M + r] * inv, DType(p.dtype));
+            for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, G::o_elem(oT, M, Dv, r, j) * inv, DType(p.dtype));
             if (p.lse) p.lse[q_row_offset(p, b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * kLn2;
         }
     }

@@ -66,5 +66,37 @@ struct V512 {
     }
 };
 
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements: r[i] holds row i on entry and
+// column i on return. Three stages: 32-bit and 64-bit unpacks within 128-bit lanes, then two
+// rounds of 128-bit lane shuffles (0x88 takes lanes 0,2 of each source, 0xdd lanes 1,3).
+inline void transpose16x16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    // u[4g + k] holds columns {k, 4+k, 8+k, 12+k} (one per 128-bit lane) of rows 4g..4g+3
+    for (int g = 0; g < 4; ++g) {
+        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g + 0], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    // t[2k] = columns {k, 8+k} of rows 0..7, t[2k+1] = columns {4+k, 12+k} of rows 0..7; same for rows 8..15 in t[8+..]
+    for (int k = 0; k < 4; ++k) {
+        t[2 * k] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);
+        t[2 * k + 1] = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+        t[8 + 2 * k] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+        t[8 + 2 * k + 1] = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+    }
+    for (int k = 0; k < 4; ++k) {
+        r[k] = _mm512_shuffle_i32x4(t[2 * k], t[8 + 2 * k], 0x88);           // column k
+        r[8 + k] = _mm512_shuffle_i32x4(t[2 * k], t[8 + 2 * k], 0xdd);       // column 8+k
+        r[4 + k] = _mm512_shuffle_i32x4(t[2 * k + 1], t[8 + 2 * k + 1], 0x88);   // column 4+k
+        r[12 + k] = _mm512_shuffle_i32x4(t[2 * k + 1], t[8 + 2 * k + 1], 0xdd);  // column 12+k
+    }
+}
+
 }  // namespace
 }  // namespace fa2cpu

@@ -1,0 +1,219 @@
+// Decode GEMM policy (AVX-512): items of at most 16 query rows (decode, the GQA group of one new
+// token, short chunks). There a 16-row vector would be mostly padding, so this policy puts the
+// FEATURE axis in lanes instead: each K/V row is streamed once with full-width loads (converted to
+// float32 in registers, whatever its dtype, so K/V are read in place unless paged or strided) and
+// reused by every query row of the item (the whole GQA group) from registers. Decode is
+// memory-bound; this keeps the instruction count per byte read low:
+//   QK: acc[4 keys][4 rows] += K[key][16 d] * Q[row][16 d], reduced to one score each at the end
+//   PV: O[row][64 dv] += P[row][key] (broadcast) * V[key][64 dv]        (4 rows x 4 vectors)
+// Layouts: q [M][Dp] float32 pre-scaled (Dp = D rounded up to 16, zero padded); O row-major
+// [M][Dvp]; s [Bc][16] as in tile_loop.h (lanes past the item's rows are never read back).
+#pragma once
+#include <immintrin.h>
+
+#include "kernel.h"
+#include "tile_loop.h"
+#include "vec_avx512.h"
+
+namespace fa2cpu {
+namespace {
+
+struct F32Elem {
+    using T = float;
+    static __m512 load(const T* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+};
+struct Bf16Elem {
+    using T = uint16_t;
+    static __m512 load(const T* p, __mmask16 m) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    }
+};
+struct F16Elem {
+    using T = uint16_t;
+    static __m512 load(const T* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+};
+
+inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n < 0 ? 0 : n)) - 1); }
+
+template <class E>
+struct DecodeGemm {
+    using T = typename E::T;
+    static constexpr int W = 16, RV = 1, RB = 16;
+    static constexpr int64_t BC = 256;       // keys per tile: long streams, 16 KiB score block
+    static constexpr int64_t kMaxRows = 16;  // items with more rows use the prefill policies
+    static constexpr bool kPostScale = false;
+    static constexpr int64_t kRowAlign = 16;
+    static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
+    // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
+    // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used.
+    static constexpr int64_t kPrefetchKeys = 32;
+
+    static int64_t dp(int64_t n) { return round_up(n, 16); }
+    static int64_t q_floats(int64_t D, int64_t M) { return M * dp(D); }
+    static int64_t k_floats(int64_t D) { return (BC * dp(D) * int64_t(sizeof(T)) + 3) / 4; }
+    static int64_t v_floats(int64_t Dv) { return (BC * dp(Dv) * int64_t(sizeof(T)) + 3) / 4; }
+    static int64_t p_floats() { return 0; }
+
+    static const float* q_at(const float* q, int64_t r0, int64_t D, int64_t) { return q + r0 * dp(D); }
+    static void pack_q_row(float* q, int64_t, int64_t r, const float* row, int64_t D, float qscale) {
+        float* o = q + r * dp(D);
+        for (int64_t d = 0; d < D; ++d) o[d] = row[d] * qscale;
+        for (int64_t d = D; d < dp(D); ++d) o[d] = 0.f;
+    }
+    static void zero_q_row(float* q, int64_t, int64_t r, int64_t D) {
+        for (int64_t d = 0; d < dp(D); ++d) q[r * dp(D) + d] = 0.f;
+    }
+
+    static int64_t o_floats(int64_t Dv, int64_t M) { return M * dp(Dv); }
+    static float o_elem(const float* o, int64_t, int64_t Dv, int64_t r, int64_t j) { return o[r * dp(Dv) + j]; }
+    static void rescale_o(float* o, int64_t, int64_t Dv, int64_t r0, __m512 alpha) {
+        alignas(64) float a[16];
+        _mm512_store_ps(a, alpha);
+        const int64_t n = dp(Dv);
+        for (int l = 0; l < 16; ++l) {
+            if (a[l] == 1.f) continue;
+            const __m512 al = _mm512_set1_ps(a[l]);
+            float* row = o + (r0 + l) * n;
+            for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), al));
+        }
+    }
+
+    // Rows of a K/V tile: in place for unit feature stride and no paging (any dtype), else
+    // gathered into buf (rows of dp(n) elements, native dtype).
+    static const void* tile(const Params& p, const void* base, int64_t sb, int64_t sn, int64_t sd, int64_t n,
+                            int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        const T* src = static_cast<const T*>(base);
+        if (sd == 1 && !p.block_table) {
+            *ld = sn;
+            return src + k_row_offset(p, b, c0, sb, sn) + head;
+        }
+        T* out = reinterpret_cast<T*>(buf);
+        const int64_t np = dp(n);
+        for (int64_t c = 0; c < nc; ++c) {
+            const T* r = src + k_row_offset(p, b, c0 + c, sb, sn) + head;
+            if (sd == 1) std::memcpy(out + c * np, r, size_t(n) * sizeof(T));
+            else for (int64_t j = 0; j < n; ++j) out[c * np + j] = r[j * sd];
+        }
+        *ld = np;
+        return out;
+    }
+    static const void* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        return tile(p, p.k, p.k_sb, p.k_sn, p.k_sd, p.d, b, c0, nc, head, buf, ld);
+    }
+    static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+        return tile(p, p.v, p.v_sb, p.v_sn, p.v_sd, p.dv, b, c0, nc, head, buf, ld);
+    }
+
+    // s[c*16 + r] = q_r . k_c for the block's rows (groups of 4; rows past `rows` have zero q).
+    static void qk(int, int rows, const float* q, int64_t, const void* kt, int64_t ldk, int64_t D, int64_t nc,
+                   float* s, float) {
+        const T* k = static_cast<const T*>(kt);
+        const int64_t Dp = dp(D);
+        for (int r = 0; r < rows; r += RG) {
+            const float* qr = q + r * Dp;
+            for (int64_t c = 0; c < nc; c += KB) {
+                const int64_t nkb = nc - c < KB ? nc - c : KB;
+                const T* kr[KB];
+                for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
+                const bool ahead = r == 0;  // later row groups find the tile in cache
+                __m512 acc[KB][RG];
+#pragma GCC unroll 4
+                for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 4
+                    for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_setzero_ps();
+                for (int64_t d = 0; d < Dp; d += 16) {
+                    const __mmask16 m = lanes_below(D - d);
+                    __m512 kv[KB], qv[RG];
+#pragma GCC unroll 4
+                    for (int i = 0; i < KB; ++i) {
+                        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + kPrefetchKeys * ldk + d), _MM_HINT_T0);
+                        kv[i] = E::load(kr[i] + d, m);
+                    }
+#pragma GCC unroll 4
+                    for (int j = 0; j < RG; ++j) qv[j] = _mm512_loadu_ps(qr + j * Dp + d);
+#pragma GCC unroll 4
+                    for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 4
+                        for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_fmadd_ps(kv[i], qv[j], acc[i][j]);
+                }
+                for (int i = 0; i < nkb; ++i)
+                    for (int j = 0; j < RG; ++j) s[(c + i) * RB + r + j] = _mm512_reduce_add_ps(acc[i][j]);
+            }
+        }
+    }
+
+    template <int NV>
+    static void pv_block(const float* s, int r, int64_t nc, const T* v, int64_t ldv, int64_t Dv, int64_t j,
+                         float* orow, int64_t n) {
+        __m512 acc[RG][NV];
+        __mmask16 m[NV];
+#pragma GCC unroll 4
+        for (int t = 0; t < NV; ++t) m[t] = lanes_below(Dv - (j + 16 * t));
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 4
+            for (int t = 0; t < NV; ++t) acc[i][t] = _mm512_loadu_ps(orow + i * n + j + 16 * t);
+        for (int64_t c = 0; c < nc; ++c) {
+            const T* vr = v + c * ldv + j;
+            __m512 vv[NV];
+#pragma GCC unroll 4
+            for (int t = 0; t < NV; ++t) {
+                if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(vr + kPrefetchKeys * ldv + 16 * t), _MM_HINT_T0);
+                vv[t] = E::load(vr + 16 * t, m[t]);
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < RG; ++i) {
+                const __m512 pr = _mm512_set1_ps(s[c * RB + r + i]);
+#pragma GCC unroll 4
+                for (int t = 0; t < NV; ++t) acc[i][t] = _mm512_fmadd_ps(pr, vv[t], acc[i][t]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 4
+            for (int t = 0; t < NV; ++t) _mm512_storeu_ps(orow + i * n + j + 16 * t, acc[i][t]);
+    }
+
+    // O[r0 + r][:] += sum_c P[r][c] V[c][:] for the block's rows, 64 columns at a time.
+    static void pv(int, int rows, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* o,
+                   int64_t r0, int64_t, float*) {
+        const T* v = static_cast<const T*>(vt);
+        const int64_t n = dp(Dv);
+        for (int r = 0; r < rows; r += RG) {
+            float* orow = o + (r0 + r) * n;
+            for (int64_t j = 0; j < n; j += 64) {
+                switch ((n - j) / 16) {
+                    case 1: pv_block<1>(s, r, nc, v, ldv, Dv, j, orow, n); break;
+                    case 2: pv_block<2>(s, r, nc, v, ldv, Dv, j, orow, n); break;
+                    case 3: pv_block<3>(s, r, nc, v, ldv, Dv, j, orow, n); break;
+                    default: pv_block<4>(s, r, nc, v, ldv, Dv, j, orow, n); break;
+                }
+            }
+        }
+    }
+};
+
+
+// Entry points shared by the AVX-512 families: an item of at most kMaxRows rows runs the decode
+// policy for its dtype; the family runs everything else.
+inline bool is_decode_item(const WorkItem& it) {
+    return int64_t(it.g1 - it.g0) * (it.i1 - it.i0) <= DecodeGemm<F32Elem>::kMaxRows;
+}
+inline int64_t decode_scratch_floats(const Params& p, int64_t rows) {
+    rows = rows < DecodeGemm<F32Elem>::kMaxRows ? rows : DecodeGemm<F32Elem>::kMaxRows;
+    switch (DType(p.dtype)) {
+        case DType::bf16: return TileLoop<V512, DecodeGemm<Bf16Elem>>::scratch_floats(p, rows);
+        case DType::f16: return TileLoop<V512, DecodeGemm<F16Elem>>::scratch_floats(p, rows);
+        default: return TileLoop<V512, DecodeGemm<F32Elem>>::scratch_floats(p, rows);
+    }
+}
+inline void run_decode_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+    switch (DType(p.dtype)) {
+        case DType::bf16: return TileLoop<V512, DecodeGemm<Bf16Elem>>::run_item(p, it, scratch, parts);
+        case DType::f16: return TileLoop<V512, DecodeGemm<F16Elem>>::run_item(p, it, scratch, parts);
+        default: return TileLoop<V512, DecodeGemm<F32Elem>>::run_item(p, it, scratch, parts);
+    }
+}
+
+}  // namespace
+}  // namespace fa2cpu

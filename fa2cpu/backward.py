@@ -1,0 +1,281 @@
+"""Backward pass of :func:`fa2cpu.flash_attention`: FlashAttention-2's blockwise algorithm in NumPy.
+
+For each (batch, key/value head) the query heads of its GQA group are stacked row by row
+(``(Nq, group, D)``), so one float32 matmul per tile serves the whole group and K/V are never
+repeated. Key blocks form the outer loop (their dK/dV accumulate in a block-sized buffer), query
+blocks the inner one (dQ accumulates in a float32 ``(Nq, group, D)`` buffer). The probabilities
+are recomputed from the forward's LSE, ``P = exp(s - lse)``, so extra memory is O(N * D) per
+task plus O(block^2) per tile; the Nq x Nk matrix never exists. Tiles outside the causal/window
+band are skipped; only tiles crossing its edge build a visibility mask.
+"""
+import threading
+
+import numpy as np
+
+from .attention import _Options, _alibi, _array, _dtype_code, _head_dims, _heads, _same_dtype, _threads
+
+__all__ = ["flash_attention_backward"]
+
+# Tile sizes: key rows per block, and (query rows x group heads) per block. Module attributes so
+# tests can shrink them to exercise many tile edges on small inputs.
+_BLOCK_K = 256
+_BLOCK_ROWS = 512
+# Below this much work (B * Hq * Nq * Nk * (D + Dv) multiply-adds / 2) tasks run serially.
+_PARALLEL_MIN_WORK = 1 << 22
+
+_F32 = np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# BLAS thread limit: process-wide state, shared by concurrent calls (reference counted, so the
+# caller's setting is restored when the last concurrent call returns).
+# ---------------------------------------------------------------------------------------------
+class _BlasLimit:
+    _lock = threading.Lock()
+    _users = 0
+    _limiter = None
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        cls = type(self)
+        with cls._lock:
+            if cls._users == 0:
+                try:
+                    from threadpoolctl import threadpool_limits
+                    cls._limiter = threadpool_limits(self.n, user_api="blas")
+                except Exception:  # noqa: BLE001 - limiting is an optimisation, never an error
+                    cls._limiter = None
+            cls._users += 1
+        return self
+
+    def __exit__(self, *exc):
+        cls = type(self)
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0 and cls._limiter is not None:
+                try:
+                    cls._limiter.restore_original_limits()
+                finally:
+                    cls._limiter = None
+        return False
+
+
+def _match(name, a, shape, dtype, what):
+    """dout / out / lse: exact dtype and shape."""
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: dtype {a.dtype} does not match {what} dtype {np.dtype(dtype)}")
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
+
+
+def _rows(x, b, h0, g):
+    """(Nq, g, d) float32 C-contiguous heads h0..h0+g of batch b of a 4-D bhsd view (read only:
+    a view when already so, else a copy)."""
+    return np.ascontiguousarray(x[b, h0:h0 + g].transpose(1, 0, 2), dtype=_F32)
+
+
+def _task(b, hk, g, q4, k4, v4, do4, o4, lse3, dq4, dk4, dv4, alibi, opt):
+    """Gradients of query heads hk*g ... hk*g+g-1 and of kv head hk of batch b."""
+    Nq, Nk = q4.shape[2], k4.shape[2]
+    D = q4.shape[3]
+    dtype = dq4.dtype
+    h0 = hk * g
+    scale, cap = opt.scale, opt.softcap
+    left, right = opt.left, opt.right
+    off = Nk - Nq  # bottom-right alignment: row i's diagonal is key i + off
+
+    dQ = np.zeros((Nq, g, D), _F32)
+    if Nq and Nk:
+        Q = _rows(q4, b, h0, g)
+        dO = _rows(do4, b, h0, g)
+        # D_i = rowsum(dO * O), per (row, head)
+        Di = np.einsum("igd,igd->ig", dO, _rows(o4, b, h0, g))
+        L = np.ascontiguousarray(lse3[b, h0:h0 + g].T, dtype=_F32)         # (Nq, g)
+        L[np.isneginf(L)] = np.inf   # rows that see no key: P = exp(-inf or s - inf) = 0, not NaN
+        slopes = None if alibi is None else np.asarray(alibi[b, h0:h0 + g], _F32)[None, :, None]
+        bk = max(1, _BLOCK_K)
+        bq = max(1, _BLOCK_ROWS // g)
+        for j0 in range(0, Nk, bk):
+            j1 = min(Nk, j0 + bk)
+            # query rows that see at least one key of [j0, j1)
+            lo = max(0, j0 - off - right) if right >= 0 else 0
+            hi = min(Nq, j1 - off + left) if left >= 0 else Nq
+            if lo >= hi:
+                dk4[b, hk, j0:j1] = 0
+                dv4[b, hk, j0:j1] = 0
+                continue
+            K = np.ascontiguousarray(k4[b, hk, j0:j1], dtype=_F32)
+            V = np.ascontiguousarray(v4[b, hk, j0:j1], dtype=_F32)
+            dK = np.zeros(K.shape, _F32)
+            dV = np.zeros(V.shape, _F32)
+            jj = np.arange(j0, j1)
+            for i0 in range(lo, hi, bq):
+                i1 = min(hi, i0 + bq)
+                n = i1 - i0
+                rows = n * g
+                Qb = Q[i0:i1].reshape(rows, D)
+                dOb = dO[i0:i1].reshape(rows, -1)
+                S = Qb @ K.T                                                # (rows, bk)
+                S *= _F32(scale)
+                T = None
+                if cap > 0:
+                    T = np.tanh(S * _F32(1.0 / cap))
+                    S = np.multiply(T, _F32(cap), out=S)
+                S3 = S.reshape(n, g, -1)
+                ii = np.arange(i0, i1)
+                diag = ii[:, None] + off - jj[None, :]                    # (n, bk): i + off - j
+                if slopes is not None:
+                    S3 -= slopes * np.abs(diag).astype(_F32)[:, None, :]
+                S3 -= L[i0:i1, :, None]
+                P = np.exp(S, out=S)
+                # does every row of the tile see every key of the block?
+                full = (left < 0 or j0 >= i1 - 1 + off - left) and (right < 0 or j1 - 1 <= i0 + off + right)
+                hidden = None
+                if not full:
+                    hidden = np.zeros(diag.shape, bool)
+                    if left >= 0:
+                        hidden |= diag > left
+                    if right >= 0:
+                        hidden |= diag < -right
+                    hidden = hidden[:, None, :]                            # (n, 1, bk)
+                    np.copyto(S3, _F32(0), where=hidden)                  # S3 is a view of P
+                dV += P.T @ dOb
+                dP = dOb @ V.T
+                dP -= Di[i0:i1].reshape(rows, 1)
+                dS = np.multiply(P, dP, out=dP)
+                if T is not None:
+                    T *= T
+                    np.subtract(_F32(1), T, out=T)
+                    dS *= T
+                if hidden is not None:  # exactly nothing from invisible keys, even where dP is NaN/inf
+                    np.copyto(dS.reshape(n, g, -1), _F32(0), where=hidden)
+                dQ[i0:i1] += (dS @ K).reshape(n, g, D)
+                dK += dS.T @ Qb
+            dK *= _F32(scale)
+            dk4[b, hk, j0:j1] = dK.astype(dtype)
+            dv4[b, hk, j0:j1] = dV.astype(dtype)
+    else:
+        dk4[b, hk] = 0
+        dv4[b, hk] = 0
+    dQ *= _F32(scale)
+    dq4[b, h0:h0 + g] = dQ.transpose(1, 0, 2).astype(dtype)
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
+                             window=(-1, -1), softcap=None, alibi_slopes=None,
+                             layout="bhsd", num_threads=None):
+    """Gradients of :func:`flash_attention` with respect to q, k and v (FlashAttention-2 backward).
+
+    Given the upstream gradient ``dout`` and the forward's ``out`` and ``lse``
+    (``flash_attention(..., return_lse=True)``), returns ``(dq, dk, dv)`` of the loss
+    ``sum(dout * out)``. The probabilities are recomputed tile by tile from ``lse``
+    (``P = exp(s - lse)``), so memory stays O(N * D) per head: the Nq x Nk matrix is never formed.
+
+    Parameters
+    ----------
+    dout : ndarray
+        Gradient of the output: the forward output's shape (q's with last dim Dv) and q's dtype.
+    q, k, v : ndarray
+        The forward's inputs, same layouts, ranks, dtypes and rules as :func:`flash_attention`:
+        ``layout="bhsd"``: q ``(B, Hq, Nq, D)``, k ``(B, Hk, Nk, D)``, v ``(B, Hk, Nk, Dv)``,
+        also 3-D ``(H, N, D)`` and 2-D ``(N, D)``; ``layout="bshd"``: ``(B, N, H, D)``, 4-D only.
+        float32, float16 or ``ml_dtypes.bfloat16`` (one dtype); any strides. ``Hq % Hk == 0``.
+    out : ndarray
+        The forward output (same shape and dtype as ``dout``).
+    lse : float32 ndarray
+        The forward's log-sum-exp, ``(B, Hq, Nq)`` (``(Hq, Nq)`` / ``(Nq,)`` for 3-D / 2-D
+        inputs). Rows with LSE ``-inf`` (no visible key) contribute nothing: zero gradient, no NaN.
+    causal, scale, window, softcap, alibi_slopes :
+        Must be the values the forward used; same meaning as in :func:`flash_attention`
+        (bottom-right aligned causal/window, ``scale`` default ``1/sqrt(D)``, softcap chain rule
+        ``d/ds [c tanh(s/c)] = 1 - tanh^2(s/c)``, alibi is a constant bias without gradient).
+        There is no ``mask`` argument.
+    layout : {"bhsd", "bshd"}
+    num_threads : int, optional
+        Threads used: (batch, kv head) tasks run in a thread pool and the BLAS library is limited
+        (threadpoolctl) to the remaining share while the call runs. None follows OpenMP's current
+        maximum, like the forward. NumPy releases the GIL in the heavy operations.
+
+    Returns
+    -------
+    (dq, dk, dv) : new arrays with the shapes of q, k, v, in the input dtype (accumulation is
+        float32). dk/dv are summed over the query heads of each GQA group.
+    """
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    q = _array("q", q); k = _array("k", k); v = _array("v", v)
+    dout = _array("dout", dout); out = _array("out", out); lse = _array("lse", lse)
+    _dtype_code("q", q)
+    _same_dtype("q", q, k=k, v=v)
+    rank = q.ndim
+    if layout == "bshd" and rank != 4:
+        raise ValueError(f"q: layout 'bshd' needs 4-D (B, N, H, D) arrays, got shape {q.shape}")
+    if rank not in (2, 3, 4):
+        raise ValueError(f"q: expected a 2-D (N, D), 3-D (H, N, D) or 4-D array, got shape {q.shape}")
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != rank:
+            raise ValueError(f"{name}: expected a {rank}-D array like q, got shape {a.shape}")
+    if layout == "bshd":
+        q4, k4, v4 = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    else:
+        lift = (None,) * (4 - rank)
+        q4, k4, v4 = q[lift], k[lift], v[lift]
+    B, Hq, Nq, D = q4.shape
+    _, Hk, Nk, Dk = k4.shape
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
+    if k4.shape[0] != B or v4.shape[0] != B:
+        bad = "k" if k4.shape[0] != B else "v"
+        raise ValueError(f"{bad}: batch size does not match q's: expected {B}, got shape {shapes[bad]} "
+                         f"(q shape {q.shape})")
+    _heads(Hq, Hk, v4.shape[1], shapes)
+    if v4.shape[2] != Nk:
+        raise ValueError(f"v: sequence length {v4.shape[2]} does not match k's {Nk} "
+                         f"(v shape {v.shape}, k shape {k.shape})")
+    Dv = v4.shape[3]
+    _head_dims("q", D, Dk, Dv, shapes)
+    out_shape = q.shape[:-1] + (Dv,)
+    _match("dout", dout, out_shape, q.dtype, "the forward output's (q's)")
+    _match("out", out, out_shape, q.dtype, "the forward output's (q's)")
+    lse_shape = (B, Hq, Nq) if rank == 4 else q.shape[:-1]
+    if lse.dtype != np.float32:
+        raise TypeError(f"lse: dtype {lse.dtype} is not supported; expected float32")
+    if lse.shape != lse_shape:
+        raise ValueError(f"lse: expected shape {lse_shape}, got {lse.shape}")
+    opt = _Options(D, causal, scale, window, softcap)
+    alibi = _alibi(alibi_slopes, B, Hq)
+    nt = _threads(num_threads)
+
+    dq = np.empty(q.shape, q.dtype)
+    dk = np.empty(k.shape, q.dtype)
+    dv = np.empty(v.shape, q.dtype)
+    if layout == "bshd":
+        do4, o4 = dout.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3)
+        dq4, dk4, dv4 = (a.transpose(0, 2, 1, 3) for a in (dq, dk, dv))
+        lse3 = lse
+    else:
+        lift = (None,) * (4 - rank)
+        do4, o4, dq4, dk4, dv4 = (a[lift] for a in (dout, out, dq, dk, dv))
+        lse3 = lse[(None,) * (3 - lse.ndim)]
+    g = Hq // Hk
+    if g == 0:  # no query heads: nothing depends on k, v
+        dk[...] = 0
+        dv[...] = 0
+        return dq, dk, dv
+    args = (g, q4, k4, v4, do4, o4, lse3, dq4, dk4, dv4, alibi, opt)
+    tasks = [(b, hk) for b in range(B) for hk in range(Hk)]
+    # A thread pool costs ~ms to start, BLAS threads on tiny matmuls only add wake-up latency:
+    # small problems run on the calling thread alone.
+    small = B * Hq * Nq * Nk * (D + Dv) < _PARALLEL_MIN_WORK
+    workers = 1 if small else min(nt, len(tasks))
+    with _BlasLimit(1 if small else max(1, nt // workers)):
+        if workers <= 1:
+            for b, hk in tasks:
+                _task(b, hk, *args)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                for f in [pool.submit(_task, b, hk, *args) for b, hk in tasks]:
+                    f.result()
+    return dq, dk, dv

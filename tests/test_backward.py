@@ -1,0 +1,518 @@
+"""flash_attention_backward: gradients of flash_attention.
+
+The float64 oracle ``attention_backward_ref`` (fa2cpu/_reference.py, analytic gradients on the full
+score matrix) is itself checked by central finite differences of ``attention_ref`` and, when torch
+is importable, by torch autograd. The kernel's gradients are then compared with it for shapes that
+break the tilings (also with tiny tiles forced), every option, GQA/MQA, layouts and ranks, strides,
+dtypes (TOL table of conftest), empty rows, NaN isolation, threads, memory and errors.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import fa2cpu
+import fa2cpu.backward as bw
+from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, rand, ref
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+bwd_ref = ref.attention_backward_ref
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def _inputs(rng, B, Hq, Hk, Nq, Nk, D, Dv=None, dtype="float32", layout="bhsd", qscale=1.0):
+    Dv = D if Dv is None else Dv
+    if layout == "bhsd":
+        shapes = (B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, Dv), (B, Hq, Nq, Dv)
+    else:
+        shapes = (B, Nq, Hq, D), (B, Nk, Hk, D), (B, Nk, Hk, Dv), (B, Nq, Hq, Dv)
+    q, k, v, dout = (rand(rng, s, dtype) for s in shapes)
+    if qscale != 1.0:
+        q = (q.astype(np.float32) * np.float32(qscale)).astype(q.dtype)
+    return dout, q, k, v
+
+
+def _backward(dout, q, k, v, **kw):
+    """Forward by the kernel (out, lse), then the backward."""
+    fwd = {key: val for key, val in kw.items() if key != "num_threads"}
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, **fwd)
+    return fa2cpu.flash_attention_backward(dout, q, k, v, out, lse, **kw)
+
+
+def _check(grads, dout, q, k, v, what="", **kw):
+    """Kernel grads vs the float64 oracle: dtype, shapes, values (TOL[dtype]), no NaN."""
+    want = bwd_ref(dout, q, k, v, **kw)
+    for name, g, r, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        assert g.dtype == q.dtype, f"{name}: dtype {g.dtype}"
+        assert g.shape == x.shape, f"{name}: shape {g.shape} != {x.shape}"
+        assert not np.isnan(g.astype(np.float32)).any(), f"{name}: NaN {what}"
+        check_close(g, r, q.dtype, what=f"{name} {what}")
+    return want
+
+
+def _run(rng, B, Hq, Hk, Nq, Nk, D, Dv=None, dtype="float32", layout="bhsd", **kw):
+    dout, q, k, v = _inputs(rng, B, Hq, Hk, Nq, Nk, D, Dv, dtype, layout)
+    grads = _backward(dout, q, k, v, layout=layout, **kw)
+    return _check(grads, dout, q, k, v, what=str(kw), layout=layout, **kw), grads
+
+
+# ------------------------------------------------------------------------------ the oracle itself
+
+ORACLE_CASES = {
+    "plain": dict(B=1, Hq=1, Hk=1, Nq=3, Nk=4, D=3, Dv=2, kw={}),
+    "gqa-causal-nq<nk": dict(B=1, Hq=2, Hk=1, Nq=3, Nk=5, D=3, Dv=2, kw=dict(causal=True, scale=0.7)),
+    "window-softcap-alibi-bh": dict(B=2, Hq=2, Hk=1, Nq=4, Nk=3, D=2, Dv=3,
+                                    kw=dict(window=(1, 0), softcap=0.8, alibi="bh")),
+    "softcap-alibi-h-empty-rows": dict(B=1, Hq=2, Hk=2, Nq=5, Nk=2, D=2, Dv=2,
+                                       kw=dict(causal=True, softcap=1.5, alibi="h")),
+}
+
+
+def _oracle_kw(kw, B, Hq, rng):
+    kw = dict(kw)
+    if kw.get("alibi") == "h":
+        kw["alibi_slopes"] = rng.random(Hq).astype(np.float32)
+    elif kw.get("alibi") == "bh":
+        kw["alibi_slopes"] = rng.random((B, Hq)).astype(np.float32)
+    kw.pop("alibi", None)
+    return kw
+
+
+@pytest.mark.parametrize("case", list(ORACLE_CASES))
+def test_oracle_finite_differences(case, rng):
+    """Central differences of sum(attention_ref(q, k, v) * dout), every input entry, float64."""
+    c = ORACLE_CASES[case]
+    kw = _oracle_kw(c["kw"], c["B"], c["Hq"], rng)
+    dout, q, k, v = (x.astype(np.float64) * 1.5 for x in
+                     _inputs(rng, c["B"], c["Hq"], c["Hk"], c["Nq"], c["Nk"], c["D"], c["Dv"]))
+    grads = bwd_ref(dout, q, k, v, **kw)
+    eps = 1e-6
+
+    def loss(qq, kk, vv):
+        return float(np.sum(ref.attention_ref(qq, kk, vv, **kw)[0] * dout))
+
+    for idx, (name, x, g) in enumerate(zip("qkv", (q, k, v), grads)):
+        fd = np.zeros_like(x)
+        for pos in np.ndindex(x.shape):
+            args = [q, k, v]
+            plus, minus = x.copy(), x.copy()
+            plus[pos] += eps
+            minus[pos] -= eps
+            args[idx] = plus
+            lp = loss(*args)
+            args[idx] = minus
+            fd[pos] = (lp - loss(*args)) / (2 * eps)
+        np.testing.assert_allclose(g, fd, atol=1e-7, rtol=1e-6, err_msg=f"d{name} ({case})")
+    if case.endswith("empty-rows"):  # Nq - Nk = 3 rows see nothing under bottom-right causal
+        assert np.all(grads[0][0, :, :3] == 0)
+
+
+def _torch_grads(torch, dout, q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=None,
+                 alibi_slopes=None):
+    """Torch autograd in float64, bhsd 4-D, GQA by repeat_interleave (autograd sums the group),
+    bottom-right masks given explicitly (torch's is_causal is top-left aligned)."""
+    B, Hq, Nq, D = q.shape
+    Hk, Nk = k.shape[1], k.shape[2]
+    tq, tk, tv = (torch.tensor(x.astype(np.float64), requires_grad=True) for x in (q, k, v))
+    kr = tk.repeat_interleave(Hq // Hk, dim=1)
+    vr = tv.repeat_interleave(Hq // Hk, dim=1)
+    vis = torch.from_numpy(ref.visible_band(Nq, Nk, causal=causal, window=window))
+    bias = torch.zeros(B, Hq, Nq, Nk, dtype=torch.float64)
+    if alibi_slopes is not None:
+        sl = torch.from_numpy(np.broadcast_to(alibi_slopes.astype(np.float64), (B, Hq)).copy())
+        i = torch.arange(Nq)[:, None]
+        j = torch.arange(Nk)[None, :]
+        bias = bias - sl[:, :, None, None] * (i + Nk - Nq - j).abs().to(torch.float64)
+    sc = 1 / np.sqrt(D) if scale is None else scale
+    if softcap is None:
+        # SDPA itself, float mask = bias + -inf outside the band
+        m = bias.masked_fill(~vis, float("-inf"))
+        out = torch.nn.functional.scaled_dot_product_attention(tq, kr, vr, attn_mask=m, scale=sc)
+    else:
+        s = softcap * torch.tanh((tq @ kr.transpose(-1, -2)) * sc / softcap) + bias
+        out = torch.softmax(s.masked_fill(~vis, float("-inf")), -1) @ vr
+    out.backward(torch.from_numpy(dout.astype(np.float64)))
+    return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+
+
+TORCH_CASES = [
+    dict(B=2, Hq=3, Hk=3, Nq=9, Nk=9, D=8, Dv=8, kw={}),
+    dict(B=1, Hq=4, Hk=2, Nq=6, Nk=13, D=8, Dv=5, kw=dict(causal=True)),
+    dict(B=1, Hq=4, Hk=1, Nq=13, Nk=6, D=4, Dv=7, kw=dict(window=(2, 3), scale=0.3)),
+    dict(B=2, Hq=2, Hk=1, Nq=8, Nk=11, D=8, Dv=8, kw=dict(causal=True, softcap=2.0, alibi="bh")),
+    dict(B=1, Hq=2, Hk=2, Nq=10, Nk=10, D=8, Dv=4, kw=dict(window=(3, -1), alibi="h")),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TORCH_CASES)))
+def test_oracle_vs_torch_autograd(case, rng):
+    torch = pytest.importorskip("torch")
+    c = TORCH_CASES[case]
+    kw = _oracle_kw(c["kw"], c["B"], c["Hq"], rng)
+    dout, q, k, v = (x * 2 for x in _inputs(rng, c["B"], c["Hq"], c["Hk"], c["Nq"], c["Nk"], c["D"], c["Dv"]))
+    for g, t, name in zip(bwd_ref(dout, q, k, v, **kw), _torch_grads(torch, dout, q, k, v, **kw), "qkv"):
+        np.testing.assert_allclose(g, t, atol=1e-10, rtol=1e-10, err_msg=f"d{name}")
+
+
+def test_kernel_vs_torch_autograd(rng):
+    """Second opinion on the kernel itself (float32), GQA + bottom-right causal + alibi + Nq != Nk."""
+    torch = pytest.importorskip("torch")
+    dout, q, k, v = _inputs(rng, 2, 4, 2, 37, 70, 32, 24)
+    slopes = rng.random(4).astype(np.float32)
+    kw = dict(causal=True, alibi_slopes=slopes)
+    for g, t in zip(_backward(dout, q, k, v, **kw), _torch_grads(torch, dout, q, k, v, **kw)):
+        check_close(g, t, "float32")
+
+
+# ------------------------------------------------------------------------------ kernel vs oracle
+
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (7, 7), (1, 300), (300, 1), (255, 256), (256, 255), (256, 256),
+                                   (257, 257), (131, 17), (17, 131), (509, 263)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths(Nq, Nk, causal, rng):
+    _run(rng, 1, 2, 1, Nq, Nk, 16, 8, causal=causal)
+
+
+@pytest.mark.parametrize("D,Dv", [(1, 1), (3, 5), (64, 64), (80, 48), (128, 256), (256, 1)])
+def test_head_dims(D, Dv, rng):
+    _run(rng, 1, 2, 2, 33, 45, D, Dv, causal=True)
+
+
+@pytest.mark.parametrize("Hq,Hk", [(8, 2), (4, 1), (6, 3), (5, 5)])
+def test_gqa_mqa(Hq, Hk, rng):
+    """dk/dv summed over the query heads of a group (the oracle sums by construction)."""
+    _, grads = _run(rng, 2, Hq, Hk, 40, 29, 16, 12, causal=True)
+    if Hk == 1:
+        # MQA: dk is the sum over all query heads of per-head gradients computed with Hk = Hq
+        dout, q, k, v = _inputs(rng, 1, Hq, 1, 11, 13, 8)
+        _, dk, dv = _backward(dout, q, k, v)
+        kr, vr = np.repeat(k, Hq, axis=1), np.repeat(v, Hq, axis=1)
+        _, dk_r, dv_r = _backward(dout, q, kr, vr)
+        check_close(dk, dk_r.sum(axis=1, keepdims=True, dtype=np.float64), "float32", what="dk")
+        check_close(dv, dv_r.sum(axis=1, keepdims=True, dtype=np.float64), "float32", what="dv")
+
+
+@pytest.mark.parametrize("Nq,Nk", [(40, 40), (23, 61), (61, 23)])
+@pytest.mark.parametrize("opts", [
+    dict(window=(5, 3)), dict(window=(0, 0)), dict(window=(-1, 4)), dict(window=(7, -1)),
+    dict(window=(6, 9), causal=True), dict(softcap=1.0), dict(softcap=30.0, causal=True),
+    dict(alibi="h"), dict(alibi="bh", causal=True), dict(scale=0.05), dict(scale=-0.4, softcap=2.0),
+    dict(window=(4, 2), softcap=1.5, alibi="bh", scale=0.3),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_options(Nq, Nk, opts, rng):
+    kw = _oracle_kw(opts, 2, 4, rng)
+    _run(rng, 2, 4, 2, Nq, Nk, 16, 12, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes_per_isa(dtype, isa, rng):
+    """out/lse from each kernel family; low-precision gradients within TOL[dtype]."""
+    slopes = rng.random(4).astype(np.float32)
+    _run(rng, 1, 4, 2, 70, 90, 64, 32, dtype=dtype, causal=True, softcap=5.0, alibi_slopes=slopes)
+    _run(rng, 2, 2, 1, 129, 33, 48, 48, dtype=dtype, layout="bshd", window=(8, 4))
+
+
+def test_out_and_lse_from_the_oracle(rng):
+    """The backward needs only a correct (out, lse), whoever computed it."""
+    dout, q, k, v = _inputs(rng, 1, 2, 1, 50, 64, 16, 16)
+    out, lse = ref.attention_ref(q, k, v, causal=True)
+    grads = fa2cpu.flash_attention_backward(dout, q, k, v, out.astype(np.float32), lse.astype(np.float32),
+                                            causal=True)
+    _check(grads, dout, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("block_k,block_rows", [(1, 1), (5, 6), (16, 9), (7, 64)])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window=(3, 2), softcap=2.0, alibi="h")],
+                         ids=["plain", "causal", "window-softcap-alibi"])
+def test_small_tiles(block_k, block_rows, opts, rng, monkeypatch):
+    """Tiny tiles: many tile edges, band-skipped blocks, partial last tiles, and tiles of a GQA
+    group that hold fewer query rows than heads."""
+    monkeypatch.setattr(bw, "_BLOCK_K", block_k)
+    monkeypatch.setattr(bw, "_BLOCK_ROWS", block_rows)
+    kw = _oracle_kw(opts, 1, 3, rng)
+    _run(rng, 1, 3, 1, 19, 23, 8, 4, **kw)
+    _run(rng, 1, 3, 3, 23, 13, 4, 8, **kw)
+
+
+def test_layouts_and_ranks(rng):
+    dout, q, k, v = _inputs(rng, 2, 3, 3, 21, 17, 8, 6)
+    kw = dict(causal=True, window=(5, -1))
+    g4 = _backward(dout, q, k, v, **kw)
+    _check(g4, dout, q, k, v, **kw)
+    t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))  # noqa: E731
+    gs = _backward(t(dout), t(q), t(k), t(v), layout="bshd", **kw)
+    for a, b in zip(gs, g4):
+        check_same(a.transpose(0, 2, 1, 3), b, "float32")
+    g3 = _backward(dout[1], q[1], k[1], v[1], **kw)
+    g2 = _backward(dout[1, 2], q[1, 2], k[1, 2], v[1, 2], **kw)
+    for a3, a2, b in zip(g3, g2, g4):
+        assert a3.shape == b.shape[1:] and a2.shape == b.shape[2:]
+        check_same(a3, b[1], "float32")
+        check_same(a2, b[1, 2], "float32")
+    # 2-D / 3-D lse are (Nq,) / (Hq, Nq)
+    out, lse = fa2cpu.flash_attention(q[1, 2], k[1, 2], v[1, 2], return_lse=True, **kw)
+    assert lse.shape == (21,)
+    fa2cpu.flash_attention_backward(dout[1, 2], q[1, 2], k[1, 2], v[1, 2], out, lse, **kw)
+
+
+def test_strides_do_not_matter(rng):
+    """Non-contiguous, negative-stride and broadcast (zero-stride) inputs give the same gradients."""
+    dout, q, k, v = _inputs(rng, 2, 4, 2, 30, 26, 16, 8)
+    kw = dict(causal=True, softcap=3.0)
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, **kw)
+    base = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse, **kw)
+    big = [np.zeros(x.shape[:-1] + (2 * x.shape[-1],), np.float32) for x in (dout, q, k, v, out)]
+    views = []
+    for b, x in zip(big, (dout, q, k, v, out)):
+        b[..., ::2] = x
+        views.append(b[..., ::2])
+    flipped = [np.flip(np.flip(x, 2).copy(), 2) for x in (dout, q, k, v, out)]
+    lse_f = np.asfortranarray(lse)
+    for args in (views, flipped, [np.asfortranarray(x) for x in (dout, q, k, v, out)]):
+        got = fa2cpu.flash_attention_backward(*args[:4], args[4], lse_f, **kw)
+        for a, b in zip(got, base):
+            check_same(a, b, "float32")
+    # K/V broadcast over the batch: dk/dv are per batch entry (the output is never broadcast)
+    k1, v1 = np.broadcast_to(k[:1], k.shape), np.broadcast_to(v[:1], v.shape)
+    out1, lse1 = fa2cpu.flash_attention(q, k1, v1, return_lse=True, **kw)
+    got = fa2cpu.flash_attention_backward(dout, q, k1, v1, out1, lse1, **kw)
+    assert all(g.strides[0] != 0 for g in got)
+    _check(got, dout, q, k1, v1, **kw)
+
+
+def test_inputs_untouched_and_fresh_outputs(rng):
+    dout, q, k, v = _inputs(rng, 1, 2, 1, 12, 9, 8)
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
+    saved = [x.copy() for x in (dout, q, k, v, out, lse)]
+    grads = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse)
+    for x, y in zip((dout, q, k, v, out, lse), saved):
+        np.testing.assert_array_equal(x, y)
+    for g in grads:
+        assert g.flags.c_contiguous and g.flags.writeable
+        assert not any(np.may_share_memory(g, x) for x in (dout, q, k, v, out, lse))
+
+
+def test_rows_without_keys_contribute_nothing(rng):
+    # bottom-right causal with Nq > Nk: the first Nq - Nk rows see nothing (lse = -inf)
+    dout, q, k, v = _inputs(rng, 1, 2, 1, 12, 4, 8)
+    out, lse = fa2cpu.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert np.all(np.isneginf(lse[:, :, :8]))
+    dq, dk, dv = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert not any(np.isnan(g).any() for g in (dq, dk, dv))
+    assert np.all(dq[:, :, :8] == 0)
+    # dk/dv are those of the live rows alone (the dead rows' huge q/dout must not leak in)
+    q2, dout2 = q.copy(), dout.copy()
+    q2[:, :, :8] = 1e4
+    dout2[:, :, :8] = 1e4
+    _, dk2, dv2 = fa2cpu.flash_attention_backward(dout2, q2, k, v, out, lse, causal=True)
+    check_same(dk2, dk, "float32")
+    check_same(dv2, dv, "float32")
+    # window rows with nothing visible (Nq > Nk, window right of the diagonal only)
+    _run(rng, 1, 2, 2, 30, 10, 8, window=(0, 3))
+    # Nk = 0: nothing visible anywhere; Nq = 0: nothing asks
+    dout, q, k, v = _inputs(rng, 1, 2, 1, 5, 0, 8, 3)
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
+    dq, dk, dv = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse)
+    assert np.all(dq == 0) and dk.shape == (1, 1, 0, 8) and dv.shape == (1, 1, 0, 3)
+    dout, q, k, v = _inputs(rng, 1, 2, 1, 0, 6, 8, 3)
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
+    dq, dk, dv = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse)
+    assert dq.shape == (1, 2, 0, 8) and np.all(dk == 0) and np.all(dv == 0)
+
+
+def test_nan_stays_in_affected_rows(rng):
+    """NaN in q row 3 of head 0 (causal): dq of the other rows and heads, dv of the keys row 3
+    cannot see and everything of the other kv head / batch entry stay finite. (dk of keys in
+    row 3's tile may get NaN through 0 * NaN in dS^T Q, exactly as in the float64 oracle, torch
+    autograd and flash-attn.)"""
+    dout, q, k, v = _inputs(rng, 2, 2, 2, 20, 20, 8)
+    q[0, 0, 3, 1] = np.nan
+    dq, dk, dv = _backward(dout, q, k, v, causal=True)
+    assert np.isnan(dq[0, 0, 3]).all()
+    rows = [i for i in range(20) if i != 3]
+    assert np.isfinite(dq[0, 0, rows]).all() and np.isfinite(dq[0, 1]).all() and np.isfinite(dq[1]).all()
+    assert np.isnan(dk[0, 0, :4]).any() and np.isnan(dv[0, 0, :4]).any()
+    assert np.isfinite(dv[0, 0, 4:]).all()
+    assert np.isfinite(dk[0, 1]).all() and np.isfinite(dv[0, 1]).all()
+    assert np.isfinite(dk[1]).all() and np.isfinite(dv[1]).all()
+
+
+@pytest.mark.parametrize("tasks", ["one-task", "many-tasks"])
+def test_threads_do_not_change_results(tasks, rng):
+    shape = (1, 1, 1) if tasks == "one-task" else (3, 4, 2)
+    dout, q, k, v = _inputs(rng, *shape, 300, 270, 32, 16)
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, causal=True)
+    results = [fa2cpu.flash_attention_backward(dout, q, k, v, out, lse, causal=True, num_threads=n)
+               for n in (1, 2, 3, None)]
+    for other in results[1:]:
+        for a, b in zip(other, results[0]):
+            check_same(a, b, "float32", ulps=4)
+
+
+def test_concurrent_calls(rng, monkeypatch):
+    """Calls from several Python threads at once (each with its own task pool) agree."""
+    from concurrent.futures import ThreadPoolExecutor
+    monkeypatch.setattr(bw, "_PARALLEL_MIN_WORK", 0)
+    dout, q, k, v = _inputs(rng, 2, 2, 1, 90, 80, 16)
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
+    want = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse)
+    with ThreadPoolExecutor(4) as pool:
+        futs = [pool.submit(fa2cpu.flash_attention_backward, dout, q, k, v, out, lse, num_threads=1 + i % 2)
+                for i in range(8)]
+        for f in futs:
+            for a, b in zip(f.result(), want):
+                check_same(a, b, "float32", ulps=4)
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import fa2cpu
+
+    def hwm_kib():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+
+    n, d = int(sys.argv[1]), int(sys.argv[2])
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(4))
+    out, lse = fa2cpu.flash_attention(q, k, v, causal=True, return_lse=True)
+    s = slice(0, 64)
+    fa2cpu.flash_attention_backward(do[:, :, s], q[:, :, s], k[:, :, s], v[:, :, s], out[:, :, s],
+                                    lse[:, :, s], causal=True)
+    base = hwm_kib()
+    dq, dk, dv = fa2cpu.flash_attention_backward(do, q, k, v, out, lse, causal=True)
+    print(json.dumps({"extra_mib": (hwm_kib() - base) / 1024, "finite": bool(np.isfinite(dq).all())}))
+""")
+
+
+def test_memory_is_not_quadratic():
+    """8192 x 8192: the score matrix alone would be 256 MiB; the backward stays far below."""
+    res = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, "8192", "64"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["finite"]
+    assert info["extra_mib"] < 48, info
+
+
+# ------------------------------------------------------------------------------ errors
+
+def _args(dtype="float32", rank=4):
+    rng = np.random.default_rng(0)
+    dout, q, k, v = _inputs(rng, 2, 4, 2, 5, 7, 8, 6, dtype)
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
+    lift = (0,) * (4 - rank)
+    return dict(dout=dout[lift], q=q[lift], k=k[lift], v=v[lift], out=out[lift], lse=lse[lift])
+
+
+def _call(a, **kw):
+    return fa2cpu.flash_attention_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], **kw)
+
+
+@pytest.mark.parametrize("which", ["dout", "q", "k", "v", "out"])
+@pytest.mark.parametrize("bad", [np.float64, np.int32, "float16", "bfloat16"])
+def test_dtype_errors(which, bad):
+    a = _args()
+    a[which] = a[which].astype(NP_DTYPES.get(bad, bad) if isinstance(bad, str) else bad)
+    with pytest.raises(TypeError, match=arg(which)):
+        _call(a)
+
+
+def test_all_low_precision_accepted():
+    for dt in DTYPES:
+        dq, dk, dv = _call(_args(dt))
+        assert dq.dtype == dk.dtype == dv.dtype == NP_DTYPES[dt]
+
+
+@pytest.mark.parametrize("bad", [np.float64, np.float16])
+def test_lse_dtype_error(bad):
+    a = _args()
+    a["lse"] = a["lse"].astype(bad)
+    with pytest.raises(TypeError, match=arg("lse")):
+        _call(a)
+
+
+@pytest.mark.parametrize("rank", [2, 3, 4])
+@pytest.mark.parametrize("which,cut", [("dout", -1), ("out", -1), ("dout", -2), ("out", 0), ("lse", -1),
+                                       ("lse", 0)])
+def test_shape_errors_name_argument_and_shapes(rank, which, cut):
+    a = _args(rank=rank)
+    x = a[which]
+    if cut == 0:
+        x = x[None]                              # one axis too many
+    else:
+        sl = [slice(None)] * x.ndim
+        sl[cut] = slice(0, x.shape[cut] - 1)
+        x = x[tuple(sl)]
+    a[which] = x
+    with pytest.raises(ValueError, match=arg(which)) as info:
+        _call(a)
+    msg = str(info.value)
+    assert str(tuple(x.shape)) in msg and str(tuple(a[which].shape)) in msg
+
+
+@pytest.mark.parametrize("mutate,exc,name", [
+    (lambda a: a.update(k=a["k"][:, :, :, :4]), ValueError, "k"),           # D mismatch
+    (lambda a: a.update(q=a["q"][:, :3]), ValueError, "q"),                  # Hq % Hk
+    (lambda a: a.update(v=a["v"][:, :, :6]), ValueError, "v"),              # Nk mismatch
+    (lambda a: a.update(v=a["v"][:, :1]), ValueError, "v"),                 # Hk mismatch
+    (lambda a: a.update(k=a["k"][:1]), ValueError, "k"),                    # batch
+    (lambda a: a.update(q=a["q"][0]), ValueError, "k"),                     # rank mismatch
+    (lambda a: a.update(q=None), TypeError, "q"),
+], ids=["head-dim", "gqa", "nk", "hk", "batch", "rank", "none"])
+def test_input_shape_errors(mutate, exc, name):
+    a = _args()
+    mutate(a)
+    with pytest.raises(exc, match=arg(name)):
+        _call(a)
+
+
+def test_head_dim_limit():
+    rng = np.random.default_rng(0)
+    dout, q, k, v = _inputs(rng, 1, 1, 1, 2, 2, 257, 4)
+    out = np.zeros(dout.shape, np.float32)
+    lse = np.zeros((1, 1, 2), np.float32)
+    with pytest.raises(ValueError, match=arg("q")):
+        fa2cpu.flash_attention_backward(dout, q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("kw,exc,name", [
+    (dict(layout="bsdh"), ValueError, "layout"),
+    (dict(window=(2,)), ValueError, "window"),
+    (dict(window=(-2, 0)), ValueError, "window"),
+    (dict(window=(1.5, 0)), TypeError, "window"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap="x"), TypeError, "softcap"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(scale="x"), TypeError, "scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(num_threads=0), ValueError, "num_threads"),
+    (dict(num_threads=1.0), TypeError, "num_threads"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=np.ones((3, 4), np.float32)), ValueError, "alibi_slopes"),
+    (dict(alibi_slopes=np.ones(4)), TypeError, "alibi_slopes"),
+], ids=lambda x: str(x) if isinstance(x, str) else None)
+def test_option_errors(kw, exc, name):
+    with pytest.raises(exc, match=arg(name)):
+        _call(_args(), **kw)
+
+
+def test_bshd_needs_4d():
+    a = _args(rank=3)
+    with pytest.raises(ValueError, match=arg("q")):
+        _call(a, layout="bshd")
+
+
+def test_errors_happen_before_any_work(monkeypatch):
+    """Validation precedes the compute: a bad option late in the list still raises, nothing runs."""
+    monkeypatch.setattr(bw, "_task", lambda *a, **k: pytest.fail("compute ran"))
+    with pytest.raises(ValueError, match=arg("num_threads")):
+        _call(_args(), causal=True, softcap=2.0, num_threads=-1)
