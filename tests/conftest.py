@@ -5,6 +5,7 @@ sys.path, the default "prepend" import mode).
 """
 
 import importlib.util
+import os
 import pathlib
 import re
 
@@ -126,7 +127,10 @@ def _usable_isas():
         return [f"fa2cpu-unusable:{type(exc).__name__}"]
 
 
-ISAS = _usable_isas()
+# FA2CPU_ISA=<family> runs every numeric test on that family alone (e.g. on the AMX machine);
+# unset, every usable family is tested.
+ENV_ISA = os.environ.get("FA2CPU_ISA", "").strip() or None
+ISAS = [ENV_ISA] if ENV_ISA else _usable_isas()
 
 
 @pytest.fixture(params=ISAS)
@@ -139,7 +143,7 @@ def isa(request):
         assert fa2cpu.get_isa() == name
         yield name
     finally:
-        fa2cpu.set_isa(None)
+        fa2cpu.set_isa(ENV_ISA)
 
 
 @pytest.fixture

@@ -93,23 +93,46 @@ struct AmxGemm : TransposedO<V512> {
         return out;
     }
 
-    // V^T [round_up(Dv,32)][BC] bf16, zero past nc keys and Dv columns.
+    // V^T [round_up(Dv,32)][BC] bf16, zero past nc keys and Dv columns. Built from 16 x 16
+    // blocks of key pairs: row i of a block is (V[2i][j], V[2i+1][j]) for 16 columns j, as one
+    // uint32 each (the bf16 pair layout); transposing the block in registers gives, per column j,
+    // 16 consecutive pairs = 32 consecutive keys of V^T row j.
     static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
         const int64_t Dv = p.dv, Dvp = o_rows(Dv), ncp = round_up(nc, 32);
         const uint16_t* v = static_cast<const uint16_t*>(p.v);
-        uint16_t* out = reinterpret_cast<uint16_t*>(buf);
-        for (int64_t c = 0; c < nc; c += 2) {  // two keys per step: one 32-bit store per column
-            const uint16_t* r0 = v + k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + head;
-            const uint16_t* r1 = c + 1 < nc ? v + k_row_offset(p, b, c0 + c + 1, p.v_sb, p.v_sn) + head : nullptr;
-            for (int64_t j = 0; j < Dv; ++j) {
-                const uint32_t w = uint32_t(r0[j * p.v_sd]) | (uint32_t(r1 ? r1[j * p.v_sd] : 0) << 16);
-                std::memcpy(out + j * BC + c, &w, 4);
+        uint32_t* out = reinterpret_cast<uint32_t*>(buf);  // [Dvp][BC / 2] pairs
+        for (int64_t c2 = 0; c2 < ncp / 2; c2 += 16) {
+            const uint16_t* rows[32];
+            for (int i = 0; i < 32; ++i) {
+                const int64_t c = 2 * c2 + i;
+                rows[i] = c < nc ? v + k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + head : nullptr;
+            }
+            for (int64_t j = 0; j < Dvp; j += 16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; ++i) {
+                    const uint16_t* lo = rows[2 * i];
+                    const uint16_t* hi = rows[2 * i + 1];
+                    if (p.v_sd == 1 && j + 16 <= Dv) {
+                        const __m512i a = lo ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + j)))
+                                             : _mm512_setzero_si512();
+                        const __m512i h = hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + j)))
+                                             : _mm512_setzero_si512();
+                        r[i] = _mm512_or_si512(a, _mm512_slli_epi32(h, 16));
+                    } else {  // column tail or strided V: gather the pairs one by one
+                        alignas(64) uint32_t tmp[16];
+                        for (int t = 0; t < 16; ++t) {
+                            const int64_t col = j + t;
+                            const uint16_t x = lo && col < Dv ? lo[col * p.v_sd] : 0;
+                            const uint16_t y = hi && col < Dv ? hi[col * p.v_sd] : 0;
+                            tmp[t] = uint32_t(x) | (uint32_t(y) << 16);
+                        }
+                        r[i] = _mm512_load_si512(tmp);
+                    }
+                }
+                transpose16x16_epi32(r);
+                for (int t = 0; t < 16; ++t) _mm512_storeu_si512(out + (j + t) * (BC / 2) + c2, r[t]);
             }
         }
-        for (int64_t j = 0; j < Dv; ++j)
-            for (int64_t c = round_up(nc, 2); c < ncp; ++c) out[j * BC + c] = 0;
-        for (int64_t j = Dv; j < Dvp; ++j)
-            for (int64_t c = 0; c < ncp; ++c) out[j * BC + c] = 0;
         *ld = BC;
         return out;
     }
