@@ -45,7 +45,12 @@ struct AmxGemm : TransposedO<V512> {
     static constexpr int W = 16;
     static constexpr int RV = V512::RV;
     static constexpr int RB = RV * W;      // 96 rows: 3 pairs of 16-row tiles
-    static constexpr int64_t BC = V512::BC;  // 128 keys: 4 x 32
+    // Keys per tile (FA2CPU_AMX_BC overrides it for experiments): C tiles of O^T are loaded and
+    // stored once per tile, so longer tiles mean less tile traffic per tdpbf16ps.
+#ifndef FA2CPU_AMX_BC
+#define FA2CPU_AMX_BC 128
+#endif
+    static constexpr int64_t BC = FA2CPU_AMX_BC;
     static constexpr bool kPostScale = true;
     static constexpr int64_t kRowAlign = 32;
     static_assert(RB % 32 == 0 && BC % 32 == 0, "whole 2x2 tile blocks");
