@@ -48,7 +48,7 @@ struct AmxGemm : TransposedO<V512> {
     // Keys per tile (FA2CPU_AMX_BC overrides it for experiments): C tiles of O^T are loaded and
     // stored once per tile, so longer tiles mean less tile traffic per tdpbf16ps.
 #ifndef FA2CPU_AMX_BC
-#define FA2CPU_AMX_BC 128
+#define FA2CPU_AMX_BC 256
 #endif
     static constexpr int64_t BC = FA2CPU_AMX_BC;
     static constexpr bool kPostScale = true;
