@@ -17,5 +17,5 @@ run_bench prefill_fp32_avx512 $PREFILL --dtype fp32 --isa avx512 --baselines tor
 run_bench decode --mode decode --batch 16 --heads 32 --kv-heads 8 --seqlen 8192 --head-dim 128 \
     --dtype fp32 bf16 --isa auto --threads $THREADS --baselines torch --plot "$OUT/decode.png"
 
-python "$BENCH_DIR/tables.py" "$OUT"/prefill_bf16_amx.json "$OUT"/prefill_fp32_avx512.json \
+"$PY" "$BENCH_DIR/tables.py" "$OUT"/prefill_bf16_amx.json "$OUT"/prefill_fp32_avx512.json \
     "$OUT"/decode.json | tee "$OUT/tables.md"

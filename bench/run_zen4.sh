@@ -20,5 +20,5 @@ run_bench decode --mode decode --batch 16 --heads 32 --kv-heads 8 --seqlen 8192 
 run_bench threads --mode prefill --batch 1 --heads 32 --seqlen 4096 --head-dim 128 --dtype fp32 bf16 \
     --no-causal --threads 1 2 --baselines torch --plot "$OUT/threads.png"
 
-python "$BENCH_DIR/tables.py" "$OUT"/prefill_d128.json "$OUT"/prefill_d64.json "$OUT"/decode.json \
+"$PY" "$BENCH_DIR/tables.py" "$OUT"/prefill_d128.json "$OUT"/prefill_d64.json "$OUT"/decode.json \
     "$OUT"/threads.json | tee "$OUT/tables.md"
