@@ -4,6 +4,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 import sys
 
 import numpy as np
@@ -24,9 +25,10 @@ def run_main(capsys, *args):
 
 
 def run_cli(*args, timeout=120):
-    """The real command line, in a fresh interpreter."""
+    """The real command line, in a fresh interpreter. It runs outside the source tree so that the
+    installed package (with its compiled extension) is imported, not the checkout's sources."""
     return subprocess.run([sys.executable, "-m", "fa2cpu.bench", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, cwd=tempfile.gettempdir())
 
 
 # ---------------------------------------------------------------------------------------------
