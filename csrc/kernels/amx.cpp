@@ -52,6 +52,8 @@ struct AmxGemm : TransposedO<V512> {
 #endif
     static constexpr int64_t BC = FA2CPU_AMX_BC;
     static constexpr bool kPostScale = true;
+    static constexpr bool kScaleInSoftmax = true;  // tiles are stored unscaled; the softmax scales
+    static constexpr bool kPairedP = true;         // softmax writes P as bf16 pairs (gemm_bf16.h)
     static constexpr int64_t kRowAlign = 32;
     static_assert(RB % 32 == 0 && BC % 32 == 0, "whole 2x2 tile blocks");
 
@@ -142,9 +144,9 @@ struct AmxGemm : TransposedO<V512> {
         return out;
     }
 
-    // S^T block (keys x rows) of nv 16-row vectors (nv even, M multiple of 32), times post_scale.
+    // S^T block (keys x rows) of nv 16-row vectors (nv even, M multiple of 32), unscaled.
     static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
-                   int64_t nc, float* s, float post_scale) {
+                   int64_t nc, float* s, float /*post_scale: kScaleInSoftmax*/) {
         const uint32_t* q = reinterpret_cast<const uint32_t*>(qbuf);
         const uint16_t* k = static_cast<const uint16_t*>(kt);
         const int64_t D2p = d2p(D), ncp = round_up(nc, 32);
@@ -165,29 +167,21 @@ struct AmxGemm : TransposedO<V512> {
                 _tile_stored(3, s + (c + 16) * RB + r + 16, RB * 4);
             }
         }
-        const __m512 ps = _mm512_set1_ps(post_scale);
-        for (int64_t c = 0; c < nc; ++c)
-            for (int v = 0; v < nv; ++v) {
-                float* sp = s + c * RB + v * W;
-                _mm512_storeu_ps(sp, _mm512_mul_ps(_mm512_loadu_ps(sp), ps));
-            }
     }
 
-    // P (float32, in s) -> bf16 pairs zero-padded to 32 keys; O^T += V^T P^T on 2 x 2 tile blocks.
-    static void pv(int nv, int /*rows*/, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
+    static void store_p_pair(float* pbuf, int64_t c2, int v, __m512 e0, __m512 e1) {
+        Bf16Gemm<V512>::store_p_pair(pbuf, c2, v, e0, e1);
+    }
+
+    // O^T += V^T P^T on 2 x 2 tile blocks, from the P pairs the softmax wrote (zero-padded here
+    // to whole 32-key blocks).
+    static void pv(int nv, int /*rows*/, float* /*s*/, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
                    int64_t r0, int64_t M, float* pbuf) {
         oT += r0;
         uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
-        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
         const int64_t ncp = round_up(nc, 32);
-        for (int64_t c = 0; c < ncp; c += 2)
-            for (int v = 0; v < nv; ++v) {
-                const __m512 a = c < nc ? _mm512_loadu_ps(s + c * RB + v * W) : _mm512_setzero_ps();
-                const __m512 bb = c + 1 < nc ? _mm512_loadu_ps(s + (c + 1) * RB + v * W) : _mm512_setzero_ps();
-                const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(bb, a);
-                _mm512_storeu_si512(pb + (c / 2) * RB + v * W, _mm512_permutexvar_epi16(inter, x));
-            }
+        for (int64_t c2 = (nc + 1) / 2; c2 < ncp / 2; ++c2)
+            for (int v = 0; v < nv; ++v) _mm512_storeu_si512(pb + c2 * RB + v * W, _mm512_setzero_si512());
         const uint16_t* vT = static_cast<const uint16_t*>(vt);
         const int64_t Dvp = o_rows(Dv);
         for (int64_t j = 0; j < Dvp; j += 32) {

@@ -28,6 +28,8 @@ struct Bf16Gemm : TransposedO<V> {
     static constexpr int RB = RV * W;
     static constexpr int64_t BC = V::BC;
     static constexpr bool kPostScale = true;
+    static constexpr bool kScaleInSoftmax = false;  // scaled for free in the QK store
+    static constexpr bool kPairedP = true;          // softmax writes P as bf16 pairs
     static constexpr int64_t kRowAlign = W;                   // item rows padded to this
     static_assert(V::W == 16, "bf16 pairs fill 16 float32 lanes");
 
@@ -182,23 +184,19 @@ struct Bf16Gemm : TransposedO<V> {
               _mm512_set1_ps(post_scale));
     }
 
-    // Rounds the float32 P of the row block to bf16 pairs (zero pair half past nc), then O^T += P V.
-    static void pv(int nv, int /*rows*/, float* s, int64_t nc, const void* vt, int64_t, int64_t Dv, float* oT,
-                   int64_t r0, int64_t M, float* pbuf) {
-        oT += r0;
-        uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
+    // P of keys (2*c2, 2*c2+1) for row vector v -> bf16 pairs in pbuf [C2][RB] (round to nearest even).
+    static void store_p_pair(float* pbuf, int64_t c2, int v, __m512 e0, __m512 e1) {
         // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
         const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        for (int64_t c = 0; c < nc; c += 2) {
-            for (int v = 0; v < nv; ++v) {
-                const __m512 a = _mm512_loadu_ps(s + c * RB + v * W);
-                const __m512 bb = c + 1 < nc ? _mm512_loadu_ps(s + (c + 1) * RB + v * W) : _mm512_setzero_ps();
-                const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(bb, a);
-                _mm512_storeu_si512(pb + (c / 2) * RB + v * W, _mm512_permutexvar_epi16(inter, x));
-            }
-        }
-        pv_nv(nv, pb, (nc + 1) / 2, static_cast<const uint32_t*>(vt), Dv, oT, M);
+        const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_storeu_si512(reinterpret_cast<uint32_t*>(pbuf) + c2 * RB + v * W, _mm512_permutexvar_epi16(inter, x));
+    }
+
+    // O^T += P V from the pairs the softmax wrote (kPairedP).
+    static void pv(int nv, int /*rows*/, float* /*s*/, int64_t nc, const void* vt, int64_t, int64_t Dv, float* oT,
+                   int64_t r0, int64_t M, float* pbuf) {
+        pv_nv(nv, reinterpret_cast<const uint32_t*>(pbuf), (nc + 1) / 2, static_cast<const uint32_t*>(vt), Dv, oT + r0, M);
     }
 };
 

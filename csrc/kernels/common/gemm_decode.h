@@ -42,6 +42,8 @@ struct DecodeGemm {
     static constexpr int64_t BC = 256;       // keys per tile: long streams, 16 KiB score block
     static constexpr int64_t kMaxRows = 16;  // items with more rows use the prefill policies
     static constexpr bool kPostScale = false;
+    static constexpr bool kScaleInSoftmax = false;
+    static constexpr bool kPairedP = false;
     static constexpr int64_t kRowAlign = 16;
     static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware

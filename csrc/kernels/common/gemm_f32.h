@@ -19,6 +19,8 @@ struct F32Gemm : TransposedO<V> {
     static constexpr int RB = RV * W;   // rows per row block
     static constexpr int64_t BC = V::BC;
     static constexpr bool kPostScale = false;  // Q is packed pre-scaled
+    static constexpr bool kScaleInSoftmax = false;
+    static constexpr bool kPairedP = false;
     static constexpr int64_t kRowAlign = W;                   // item rows padded to this
 
     // Scratch (floats) of the Q operand for M rows, of one packed K / V tile, of a P copy.

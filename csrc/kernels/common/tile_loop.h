@@ -79,6 +79,10 @@ struct TileLoop {
         const float qscale = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
         const float cap_l2 = p.softcap * kLog2e;
         const DType dt = DType(p.dtype);
+        // Where the score scale is applied: packed into Q, by the QK micro-kernel on its output
+        // (qk_scale), or folded into the softmax / bias pass (sm_scale, G::kScaleInSoftmax).
+        const float qk_scale = G::kPostScale && !G::kScaleInSoftmax ? qscale : 1.f;
+        const float sm_scale = G::kScaleInSoftmax ? qscale : 1.f;
 
         // Rows: pack Q^T, set per-row visible ranges and bias parameters.
         int64_t lo_min = nk, hi_max = -1;
@@ -124,23 +128,25 @@ struct TileLoop {
                 if (blo > float(c0 + nc - 1) || bhi < float(c0)) continue;
                 const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + nc - 1);
 
-                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, nc, s, G::kPostScale ? qscale : 1.f);
-                epilogue(p, nv, r0, c0, nc, range_mask, use_softcap, cap_l2, lo_f, hi_f, rel, slope, moff, keep, s);
-                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT, r0, M, Dv);
+                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, nc, s, qk_scale);
+                const bool biased = epilogue(p, nv, r0, c0, nc, range_mask, use_softcap, cap_l2, sm_scale, lo_f, hi_f,
+                                             rel, slope, moff, keep, s);
+                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT, r0, M, Dv, biased ? 1.f : sm_scale, pbuf);
                 G::pv(nv, int(rend - r0), s, nc, vt, ldv, Dv, oT, r0, M, pbuf);
             }
         }
         finish(p, it, R, nqi, M, oT, mrow, lrow, parts);
     }
 
-    // Scores -> log2-domain logits with every bias and mask applied (only what is enabled).
-    static void epilogue(const Params& p, int nv, int64_t r0, int64_t c0, int64_t nc, bool range_mask,
-                         bool use_softcap, float cap_l2, const float* lo_f, const float* hi_f,
+    // Scores -> log2-domain logits with every bias and mask applied (only what is enabled), the
+    // pending scale first. Returns false (and touches nothing) when nothing is enabled.
+    static bool epilogue(const Params& p, int nv, int64_t r0, int64_t c0, int64_t nc, bool range_mask,
+                         bool use_softcap, float cap_l2, float scale, const float* lo_f, const float* hi_f,
                          const float* rel, const float* slope, const int64_t* moff, float* keep, float* s) {
         const bool alibi = p.alibi != nullptr;
         const MaskKind mk = p.mask ? MaskKind(p.mask_kind) : MaskKind::none;
-        if (!use_softcap && !alibi && mk == MaskKind::none && !range_mask) return;
-        const vec ninf = V::set1(-INFINITY);
+        if (!use_softcap && !alibi && mk == MaskKind::none && !range_mask) return false;
+        const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
         for (int v = 0; v < nv; ++v) {
             const int64_t rv = r0 + v * W;
             const vec lo = V::load(lo_f + rv), hi = V::load(hi_f + rv);
@@ -148,6 +154,7 @@ struct TileLoop {
             for (int64_t c = 0; c < nc; ++c) {
                 float* sp = s + c * RB + v * W;
                 vec x = V::load(sp);
+                if (scale != 1.f) x = V::mul(x, sc);
                 const float kc = float(c0 + c);
                 if (use_softcap) x = V::mul(V::set1(cap_l2), V::tanh(x));
                 if (alibi) x = V::fma(sl, V::abs(V::sub(rl, V::set1(kc))), x);
@@ -166,25 +173,41 @@ struct TileLoop {
                 V::store(sp, x);
             }
         }
+        return true;
     }
 
-    // Online softmax for one row block: new max, p = exp2(s - m) in place, l and oT rescaled
-    // only for row vectors whose max moved. -inf - -inf is guarded: a row that has seen no
-    // visible key keeps m = -inf, l = 0 and contributes p = 0.
-    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t r0, int64_t M, int64_t Dv) {
-        const vec ninf = V::set1(-INFINITY);
+    // Online softmax for one row block: new max, p = exp2(scale*s - m), l and O rescaled only for
+    // row vectors whose max moved. -inf - -inf is guarded: a row that has seen no visible key keeps
+    // m = -inf, l = 0 and contributes p = 0. P goes back into s (float32), or for G::kPairedP
+    // straight into G's bf16 pair buffer (one pass instead of store + convert).
+    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t r0, int64_t M,
+                               int64_t Dv, float scale, float* pbuf) {
+        const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
         for (int v = 0; v < nv; ++v) {
             vec mx = ninf;
-            for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::load(s + c * RB + v * W));
+            if (scale == 1.f)
+                for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::load(s + c * RB + v * W));
+            else
+                for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::mul(V::load(s + c * RB + v * W), sc));
             const vec m_old = V::load(m + v * W);
             const vec m_new = V::max(m_old, mx);
             const vec m_use = V::zero_where_ninf(m_new);
+            const vec neg_m = V::sub(V::zero(), m_use);
             vec sum = V::zero();
-            for (int64_t c = 0; c < nc; ++c) {
-                float* sp = s + c * RB + v * W;
-                const vec e = V::exp2(V::sub(V::load(sp), m_use));
-                V::store(sp, e);
-                sum = V::add(sum, e);
+            if constexpr (G::kPairedP) {
+                for (int64_t c = 0; c < nc; c += 2) {
+                    const vec e0 = V::exp2(V::fma(V::load(s + c * RB + v * W), sc, neg_m));
+                    const vec e1 = c + 1 < nc ? V::exp2(V::fma(V::load(s + (c + 1) * RB + v * W), sc, neg_m)) : V::zero();
+                    sum = V::add(sum, V::add(e0, e1));
+                    G::store_p_pair(pbuf, c / 2, v, e0, e1);
+                }
+            } else {
+                for (int64_t c = 0; c < nc; ++c) {
+                    float* sp = s + c * RB + v * W;
+                    const vec e = V::exp2(V::fma(V::load(sp), sc, neg_m));
+                    V::store(sp, e);
+                    sum = V::add(sum, e);
+                }
             }
             if (V::any_gt(m_new, m_old)) {
                 const vec alpha = V::exp2(V::sub(m_old, m_use));
