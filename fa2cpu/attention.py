@@ -195,6 +195,44 @@ def _out(out, shape, dtype, inputs):
     return out
 
 
+def _qkv(q, k, v, layout):
+    """Validates q, k, v of flash_attention / flash_attention_backward (dtypes, ranks, shapes) and
+    returns (q, k, v) as arrays, their 4-D (batch, head, position, feature) views (no copies)
+    and the sizes (B, Hq, Hk, Nq, Nk, D, Dv)."""
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    q = _array("q", q); k = _array("k", k); v = _array("v", v)
+    _dtype_code("q", q)
+    _same_dtype("q", q, k=k, v=v)
+    rank = q.ndim
+    if layout == "bshd" and rank != 4:
+        raise ValueError(f"q: layout 'bshd' needs 4-D (B, N, H, D) arrays, got shape {q.shape}")
+    if rank not in (2, 3, 4):
+        raise ValueError(f"q: expected a 2-D (N, D), 3-D (H, N, D) or 4-D array, got shape {q.shape}")
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != rank:
+            raise ValueError(f"{name}: expected a {rank}-D array like q, got shape {a.shape}")
+    if layout == "bshd":
+        q4, k4, v4 = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    else:
+        lift = (None,) * (4 - rank)
+        q4, k4, v4 = q[lift], k[lift], v[lift]
+    B, Hq, Nq, D = q4.shape
+    _, Hk, Nk, Dk = k4.shape
+    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
+    if k4.shape[0] != B or v4.shape[0] != B:
+        bad = "k" if k4.shape[0] != B else "v"
+        raise ValueError(f"{bad}: batch size does not match q's: expected {B}, got shape {shapes[bad]} "
+                         f"(q shape {q.shape})")
+    _heads(Hq, Hk, v4.shape[1], shapes)
+    if v4.shape[2] != Nk:
+        raise ValueError(f"v: sequence length {v4.shape[2]} does not match k's {Nk} "
+                         f"(v shape {v.shape}, k shape {k.shape})")
+    Dv = v4.shape[3]
+    _head_dims("q", D, Dk, Dv, shapes)
+    return q, k, v, (q4, k4, v4), (B, Hq, Hk, Nq, Nk, D, Dv)
+
+
 # ---------------------------------------------------------------------------------------------
 # flash_attention
 # ---------------------------------------------------------------------------------------------
@@ -242,38 +280,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     -------
     out, or ``(out, lse)`` when ``return_lse``.
     """
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-    q = _array("q", q); k = _array("k", k); v = _array("v", v)
-    dt = _dtype_code("q", q)
-    _same_dtype("q", q, k=k, v=v)
+    q, k, v, (q4, k4, v4), (B, Hq, Hk, Nq, Nk, D, Dv) = _qkv(q, k, v, layout)
+    dt = _DTYPES[q.dtype]
     rank = q.ndim
-    if layout == "bshd" and rank != 4:
-        raise ValueError(f"q: layout 'bshd' needs 4-D (B, N, H, D) arrays, got shape {q.shape}")
-    if rank not in (2, 3, 4):
-        raise ValueError(f"q: expected a 2-D (N, D), 3-D (H, N, D) or 4-D array, got shape {q.shape}")
-    for name, a in (("k", k), ("v", v)):
-        if a.ndim != rank:
-            raise ValueError(f"{name}: expected a {rank}-D array like q, got shape {a.shape}")
-    # 4-D (batch, head, position, feature) views; no copies.
-    if layout == "bshd":
-        q4, k4, v4 = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-    else:
-        lift = (None,) * (4 - rank)
-        q4, k4, v4 = q[lift], k[lift], v[lift]
-    B, Hq, Nq, D = q4.shape
-    _, Hk, Nk, Dk = k4.shape
-    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
-    if k4.shape[0] != B or v4.shape[0] != B:
-        bad = "k" if k4.shape[0] != B else "v"
-        raise ValueError(f"{bad}: batch size does not match q's: expected {B}, got shape {shapes[bad]} "
-                         f"(q shape {q.shape})")
-    _heads(Hq, Hk, v4.shape[1], shapes)
-    if v4.shape[2] != Nk:
-        raise ValueError(f"v: sequence length {v4.shape[2]} does not match k's {Nk} "
-                         f"(v shape {v.shape}, k shape {k.shape})")
-    Dv = v4.shape[3]
-    _head_dims("q", D, Dk, Dv, shapes)
     opt = _Options(D, causal, scale, window, softcap)
     alibi = _alibi(alibi_slopes, B, Hq)
     mask4, mask_kind = _mask(mask, (B, Hq, Nq, Nk))

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .attention import _Options, _alibi, _array, _dtype_code, _head_dims, _heads, _same_dtype, _threads
+from .attention import _Options, _alibi, _array, _qkv, _threads
 
 __all__ = ["flash_attention_backward"]
 
@@ -203,38 +203,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     (dq, dk, dv) : new arrays with the shapes of q, k, v, in the input dtype (accumulation is
         float32). dk/dv are summed over the query heads of each GQA group.
     """
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-    q = _array("q", q); k = _array("k", k); v = _array("v", v)
+    q, k, v, (q4, k4, v4), (B, Hq, Hk, Nq, Nk, D, Dv) = _qkv(q, k, v, layout)
     dout = _array("dout", dout); out = _array("out", out); lse = _array("lse", lse)
-    _dtype_code("q", q)
-    _same_dtype("q", q, k=k, v=v)
     rank = q.ndim
-    if layout == "bshd" and rank != 4:
-        raise ValueError(f"q: layout 'bshd' needs 4-D (B, N, H, D) arrays, got shape {q.shape}")
-    if rank not in (2, 3, 4):
-        raise ValueError(f"q: expected a 2-D (N, D), 3-D (H, N, D) or 4-D array, got shape {q.shape}")
-    for name, a in (("k", k), ("v", v)):
-        if a.ndim != rank:
-            raise ValueError(f"{name}: expected a {rank}-D array like q, got shape {a.shape}")
-    if layout == "bshd":
-        q4, k4, v4 = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-    else:
-        lift = (None,) * (4 - rank)
-        q4, k4, v4 = q[lift], k[lift], v[lift]
-    B, Hq, Nq, D = q4.shape
-    _, Hk, Nk, Dk = k4.shape
-    shapes = {"q": q.shape, "k": k.shape, "v": v.shape}
-    if k4.shape[0] != B or v4.shape[0] != B:
-        bad = "k" if k4.shape[0] != B else "v"
-        raise ValueError(f"{bad}: batch size does not match q's: expected {B}, got shape {shapes[bad]} "
-                         f"(q shape {q.shape})")
-    _heads(Hq, Hk, v4.shape[1], shapes)
-    if v4.shape[2] != Nk:
-        raise ValueError(f"v: sequence length {v4.shape[2]} does not match k's {Nk} "
-                         f"(v shape {v.shape}, k shape {k.shape})")
-    Dv = v4.shape[3]
-    _head_dims("q", D, Dk, Dv, shapes)
     out_shape = q.shape[:-1] + (Dv,)
     _match("dout", dout, out_shape, q.dtype, "the forward output's (q's)")
     _match("out", out, out_shape, q.dtype, "the forward output's (q's)")

@@ -126,13 +126,15 @@ struct TileLoop {
                     bhi_min = hi_f[r] < bhi_min ? hi_f[r] : bhi_min;
                 }
                 if (blo > float(c0 + nc - 1) || bhi < float(c0)) continue;
-                const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + nc - 1);
+                // Keys past every row's last visible key (the causal diagonal) are not computed.
+                const int64_t ncb = int64_t(bhi) - c0 + 1 < nc ? int64_t(bhi) - c0 + 1 : nc;
+                const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + ncb - 1);
 
-                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, nc, s, qk_scale);
-                const bool biased = epilogue(p, nv, r0, c0, nc, range_mask, use_softcap, cap_l2, sm_scale, lo_f, hi_f,
+                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, ncb, s, qk_scale);
+                const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, sm_scale, lo_f, hi_f,
                                              rel, slope, moff, keep, s);
-                softmax_update(nv, nc, s, mrow + r0, lrow + r0, oT, r0, M, Dv, biased ? 1.f : sm_scale, pbuf);
-                G::pv(nv, int(rend - r0), s, nc, vt, ldv, Dv, oT, r0, M, pbuf);
+                softmax_update(nv, ncb, s, mrow + r0, lrow + r0, oT, r0, M, Dv, biased ? 1.f : sm_scale, pbuf);
+                G::pv(nv, int(rend - r0), s, ncb, vt, ldv, Dv, oT, r0, M, pbuf);
             }
         }
         finish(p, it, R, nqi, M, oT, mrow, lrow, parts);

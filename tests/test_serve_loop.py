@@ -1,0 +1,104 @@
+"""examples/serve_loop.py: the continuous-batching server loop runs, its paged prefill/decode
+attention matches the references (--check) and every KV block returns to the free list."""
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from conftest import REPO
+
+EXAMPLE = REPO / "examples" / "serve_loop.py"
+TINY = ["--requests", "6", "--max-new-tokens", "8", "--min-prompt", "3", "--max-prompt", "40",
+        "--layers", "1", "--vocab", "64", "--arrival-rate", "2", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def serve_loop():
+    spec = importlib.util.spec_from_file_location("serve_loop_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(mod, argv):
+    t0 = time.perf_counter()
+    s = mod.main(argv)
+    elapsed = time.perf_counter() - t0
+    print(f"serve_loop {' '.join(argv)}: {elapsed:.2f} s, prefill {s['prefill_tok_s']:.0f} tok/s, "
+          f"decode {s['decode_tok_s']:.0f} tok/s")
+    return s, elapsed
+
+
+def _assert_clean_finish(s, n_requests):
+    assert s["completed"] == n_requests and s["unfinished"] == 0
+    assert s["tokens_generated"] == s["prefill_first_tokens"] + s["decode_tokens"] >= n_requests
+    assert s["blocks_in_use_at_end"] == 0, "finished requests did not return their KV blocks"
+    assert s["all_blocks_free"] and s["blocks_free"] == s["num_blocks"]
+    assert s["prefill_tok_s"] > 0 and s["decode_tok_s"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_serve_loop_check(serve_loop, dtype):
+    s, elapsed = _run(serve_loop, TINY + ["--dtype", dtype, "--check", "--check-steps", "3"])
+    assert elapsed < 20
+    _assert_clean_finish(s, 6)
+    c = s["check"]
+    assert c["prefill_checked"] >= 1 and c["decode_checked"] >= 3
+    assert c["cache_slots_ok"]
+    assert s["check_ok"], c
+    # errors relative to the test suite's tolerance table (1.0 = at the bound)
+    assert c["prefill_err_over_tol"] <= 1 and c["decode_err_over_tol"] <= 1
+    assert c["decode_gathered_err_over_tol"] <= 1
+    bound = {"float32": 1e-4, "bfloat16": 1e-1}[dtype]
+    assert max(c["prefill_max_err"], c["decode_max_err"], c["decode_vs_gathered_max_err"]) < bound
+
+
+def test_blocks_returned_under_preemption(serve_loop):
+    """A KV pool just big enough for one request: admissions, block growth, preemption and
+    re-prefill all happen, and at the end every block is back on the free list."""
+    argv = ["--requests", "8", "--max-new-tokens", "24", "--min-prompt", "8", "--max-prompt", "24",
+            "--layers", "1", "--vocab", "64", "--arrival-rate", "0", "--block-size", "4",
+            "--num-blocks", "16", "--dtype", "float32", "--seed", "1", "--check", "--check-steps", "40"]
+    s, elapsed = _run(serve_loop, argv)
+    assert elapsed < 20
+    _assert_clean_finish(s, 8)
+    assert s["preemptions"] > 0, "the tight pool should have forced preemptions"
+    assert s["peak_blocks_used"] == 16
+    assert s["check_ok"], s["check"]
+
+
+def test_steps_limit_releases_blocks(serve_loop):
+    s, _ = _run(serve_loop, TINY + ["--steps", "3", "--arrival-rate", "0"])
+    assert s["steps"] == 3 and s["unfinished"] > 0
+    assert s["blocks_in_use_at_end"] > 0          # still held by running requests when cut short
+    assert s["all_blocks_free"]                   # ...and released by the abort
+
+
+def test_allocator(serve_loop):
+    a = serve_loop.BlockAllocator(4)
+    got = [a.allocate() for _ in range(4)]
+    assert sorted(got) == [0, 1, 2, 3] and a.num_free == 0
+    with pytest.raises(serve_loop.OutOfBlocks):
+        a.allocate()
+    a.free(got[:2])
+    assert a.num_free == 2 and not a.all_free()
+    with pytest.raises(ValueError):
+        a.free([got[0]])                          # double free
+    a.free(got[2:])
+    assert a.all_free() and a.peak_used == 4
+
+
+def test_cli_subprocess():
+    """The script runs standalone (not from the repo directory) and prints the summary."""
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, str(EXAMPLE)] + TINY + ["--check"], cwd=tempfile.gettempdir(),
+                       capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    print(p.stdout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert elapsed < 20
+    for needle in ("requests completed: 6/6", "tok/s", "all returned", "PASS"):
+        assert needle in p.stdout
