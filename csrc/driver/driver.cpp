@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstdint>
 #include <new>
 #include <vector>
 
@@ -56,9 +57,28 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     const int64_t G = p.hq / p.hk;
     struct Base { WorkItem it; int64_t kb, ke; double cost; };
     std::vector<Base> bases;
+    // Decode items may cover several kv heads when the cache interleaves heads within a position
+    // ((B, N, H, D) layouts): their K/V rows for a key are then one contiguous run, streamed once,
+    // instead of one short run per item a head-size stride apart. Only where the decode policy
+    // reads K/V in place (unit feature stride, unpaged): its packed tiles hold one head.
+    const bool heads_interleaved = !p.block_table && p.k_sd == 1 && p.v_sd == 1 &&
+                                   std::llabs(p.k_sh) <= std::llabs(p.k_sn) && std::llabs(p.v_sh) <= std::llabs(p.v_sn);
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         if (nq <= 0) continue;
+        if (T.decode_rows > 0 && heads_interleaved && p.hk > 1 && G * nq <= T.decode_rows_per_head) {
+            const int64_t span = std::max<int64_t>(1, std::min<int64_t>(p.hk, T.decode_rows / (G * nq)));
+            int64_t lo0, hi0, lo1, hi1;
+            visible_range(p, nq, nk, 0, &lo0, &hi0);
+            visible_range(p, nq, nk, nq - 1, &lo1, &hi1);
+            const int64_t kb = std::min(lo0, lo1), ke = std::max(hi0, hi1) + 1;
+            for (int64_t hkv = 0; hkv < p.hk; hkv += span) {
+                const int64_t n = std::min(span, p.hk - hkv);
+                WorkItem it{int32_t(b), int32_t(hkv), 0, int32_t(n * G), 0, nq, 0, nk, -1, int32_t(n)};
+                bases.push_back({it, kb, ke, double(n * G * nq) * double(std::max<int64_t>(0, ke - kb) + 64)});
+            }
+            continue;
+        }
         // Rows per item: all heads of the GQA group together (K/V packed once for all of them),
         // as many query positions as fit in max_rows, chunks balanced so none is a sliver.
         const int64_t gh = std::min<int64_t>(G, T.max_rows);

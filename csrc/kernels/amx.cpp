@@ -146,7 +146,7 @@ struct AmxGemm : TransposedO<V512> {
 
     // S^T block (keys x rows) of nv 16-row vectors (nv even, M multiple of 32), unscaled.
     static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
-                   int64_t nc, float* s, float /*post_scale: kScaleInSoftmax*/) {
+                   int64_t nc, float* s, float /*post_scale: kScaleInSoftmax*/, RowHeads) {
         const uint32_t* q = reinterpret_cast<const uint32_t*>(qbuf);
         const uint16_t* k = static_cast<const uint16_t*>(kt);
         const int64_t D2p = d2p(D), ncp = round_up(nc, 32);
@@ -176,7 +176,7 @@ struct AmxGemm : TransposedO<V512> {
     // O^T += V^T P^T on 2 x 2 tile blocks, from the P pairs the softmax wrote (zero-padded here
     // to whole 32-key blocks).
     static void pv(int nv, int /*rows*/, float* /*s*/, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
-                   int64_t r0, int64_t M, float* pbuf) {
+                   int64_t r0, int64_t M, float* pbuf, RowHeads) {
         oT += r0;
         uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
         const int64_t ncp = round_up(nc, 32);
@@ -260,6 +260,6 @@ double peak(int dtype, double seconds) {
 
 }  // namespace
 
-extern const KernelTable kTableAmx = KernelTable{Isa::amx, V512::MAX_ROWS, V512::BC, &scratch_floats, &run_item, &peak};
+extern const KernelTable kTableAmx = KernelTable{Isa::amx, V512::MAX_ROWS, V512::BC, DecodeGemm<F32Elem>::kRowsPerHead, DecodeGemm<F32Elem>::kMaxRows, &scratch_floats, &run_item, &peak};
 
 }  // namespace fa2cpu

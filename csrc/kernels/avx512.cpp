@@ -24,6 +24,6 @@ double peak(int, double seconds) { return fma_peak_gflops<V512>(seconds); }
 
 }  // namespace
 
-extern const KernelTable kTableAvx512 = KernelTable{Isa::avx512, V512::MAX_ROWS, V512::BC, &scratch_floats, &run_item, &peak};
+extern const KernelTable kTableAvx512 = KernelTable{Isa::avx512, V512::MAX_ROWS, V512::BC, DecodeGemm<F32Elem>::kRowsPerHead, DecodeGemm<F32Elem>::kMaxRows, &scratch_floats, &run_item, &peak};
 
 }  // namespace fa2cpu

@@ -56,6 +56,6 @@ double peak(int dtype, double seconds) {
 }  // namespace
 
 extern const KernelTable kTableAvx512bf16 =
-    KernelTable{Isa::avx512bf16, V512::MAX_ROWS, V512::BC, &scratch_floats, &run_item, &peak};
+    KernelTable{Isa::avx512bf16, V512::MAX_ROWS, V512::BC, DecodeGemm<F32Elem>::kRowsPerHead, DecodeGemm<F32Elem>::kMaxRows, &scratch_floats, &run_item, &peak};
 
 }  // namespace fa2cpu

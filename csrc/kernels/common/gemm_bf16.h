@@ -179,7 +179,7 @@ struct Bf16Gemm : TransposedO<V> {
     }
 
     static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
-                   int64_t nc, float* s, float post_scale) {
+                   int64_t nc, float* s, float post_scale, RowHeads) {
         qk_nv(nv, reinterpret_cast<const uint32_t*>(qbuf), M, static_cast<const uint16_t*>(kt), ldk, (D + 1) / 2, nc, s,
               _mm512_set1_ps(post_scale));
     }
@@ -195,7 +195,7 @@ struct Bf16Gemm : TransposedO<V> {
 
     // O^T += P V from the pairs the softmax wrote (kPairedP).
     static void pv(int nv, int /*rows*/, float* /*s*/, int64_t nc, const void* vt, int64_t, int64_t Dv, float* oT,
-                   int64_t r0, int64_t M, float* pbuf) {
+                   int64_t r0, int64_t M, float* pbuf, RowHeads) {
         pv_nv(nv, reinterpret_cast<const uint32_t*>(pbuf), (nc + 1) / 2, static_cast<const uint32_t*>(vt), Dv, oT + r0, M);
     }
 };

@@ -38,14 +38,16 @@ inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xffff) : _
 template <class E>
 struct DecodeGemm {
     using T = typename E::T;
-    static constexpr int W = 16, RV = 1, RB = 16;
+    static constexpr int W = 16, RV = 4, RB = 64;
     static constexpr int64_t BC = 256;       // keys per tile: long streams, 16 KiB score block
-    static constexpr int64_t kMaxRows = 16;  // items with more rows use the prefill policies
+    static constexpr int64_t kRowsPerHead = 16;  // items with more rows per kv head use the prefill policies
+    static constexpr int64_t kMaxRows = 64;      // rows of an item spanning kv heads (4 row vectors)
     static constexpr bool kPostScale = false;
     static constexpr bool kScaleInSoftmax = false;
     static constexpr bool kPairedP = false;
     static constexpr int64_t kRowAlign = 16;
     static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
+    static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
     // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used.
     static constexpr int64_t kPrefetchKeys = 32;
@@ -106,47 +108,67 @@ struct DecodeGemm {
         return tile(p, p.v, p.v_sb, p.v_sn, p.v_sd, p.dv, b, c0, nc, head, buf, ld);
     }
 
-    // s[c*16 + r] = q_r . k_c for the block's rows (groups of 4; rows past `rows` have zero q).
+    // s[c*RB + r] = q_r . k_c for the block's rows, in groups of RG rows (rows past `rows` have
+    // zero q). Key blocks of KBLK are the outer loop so that, when an item spans several kv heads
+    // of a (B, N, H, D) cache, the rows of all its heads for those keys (contiguous) are read
+    // together. A group whose rows share a kv head loads each K vector once for all of them.
     static void qk(int, int rows, const float* q, int64_t, const void* kt, int64_t ldk, int64_t D, int64_t nc,
-                   float* s, float) {
+                   float* s, float, RowHeads heads) {
         const T* k = static_cast<const T*>(kt);
         const int64_t Dp = dp(D);
-        for (int r = 0; r < rows; r += RG) {
-            const float* qr = q + r * Dp;
-            for (int64_t c = 0; c < nc; c += KB) {
-                const int64_t nkb = nc - c < KB ? nc - c : KB;
-                const T* kr[KB];
-                for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
-                const bool ahead = r == 0;  // later row groups find the tile in cache
-                __m512 acc[KB][RG];
-#pragma GCC unroll 4
-                for (int i = 0; i < KB; ++i)
-#pragma GCC unroll 4
-                    for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_setzero_ps();
-                for (int64_t d = 0; d < Dp; d += 16) {
-                    const __mmask16 m = lanes_below(D - d);
-                    __m512 kv[KB], qv[RG];
-#pragma GCC unroll 4
-                    for (int i = 0; i < KB; ++i) {
-                        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + kPrefetchKeys * ldk + d), _MM_HINT_T0);
-                        kv[i] = E::load(kr[i] + d, m);
-                    }
-#pragma GCC unroll 4
-                    for (int j = 0; j < RG; ++j) qv[j] = _mm512_loadu_ps(qr + j * Dp + d);
-#pragma GCC unroll 4
-                    for (int i = 0; i < KB; ++i)
-#pragma GCC unroll 4
-                        for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_fmadd_ps(kv[i], qv[j], acc[i][j]);
-                }
-                for (int i = 0; i < nkb; ++i)
-                    for (int j = 0; j < RG; ++j) s[(c + i) * RB + r + j] = _mm512_reduce_add_ps(acc[i][j]);
+        for (int64_t cb = 0; cb < nc; cb += KBLK) {
+            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
+            for (int r = 0; r < rows; r += RG) {
+                int64_t off[RG];
+                for (int j = 0; j < RG; ++j) off[j] = heads.kv[r + j] * heads.k_sh;
+                const bool first_of_head = r == 0 || heads.kv[r - 1] != heads.kv[r];
+                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, first_of_head);
+                else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, true);
             }
         }
     }
+    template <bool kOneHead>
+    static void qk_group(const float* qr, int64_t Dp, int64_t D, const T* k, int64_t ldk, const int64_t* off,
+                         int64_t cb, int64_t ce, float* s, bool prefetch) {
+        for (int64_t c = cb; c < ce; c += KB) {
+            const int64_t nkb = ce - c < KB ? ce - c : KB;
+            const T* kr[KB];
+            for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
+            __m512 acc[KB][RG];
+#pragma GCC unroll 4
+            for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < Dp; d += 16) {
+                const __mmask16 m = lanes_below(D - d);
+                __m512 qv[RG];
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) qv[j] = _mm512_loadu_ps(qr + j * Dp + d);
+#pragma GCC unroll 4
+                for (int i = 0; i < KB; ++i) {
+                    if constexpr (kOneHead) {
+                        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + kPrefetchKeys * ldk + off[0] + d), _MM_HINT_T0);
+                        const __m512 kv = E::load(kr[i] + off[0] + d, m);
+#pragma GCC unroll 4
+                        for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_fmadd_ps(kv, qv[j], acc[i][j]);
+                    } else {
+#pragma GCC unroll 4
+                        for (int j = 0; j < RG; ++j) {
+                            if (j == 0 || off[j] != off[j - 1])
+                                _mm_prefetch(reinterpret_cast<const char*>(kr[i] + kPrefetchKeys * ldk + off[j] + d), _MM_HINT_T0);
+                            acc[i][j] = _mm512_fmadd_ps(E::load(kr[i] + off[j] + d, m), qv[j], acc[i][j]);
+                        }
+                    }
+                }
+            }
+            for (int i = 0; i < nkb; ++i)
+                for (int j = 0; j < RG; ++j) s[(c + i) * RB + j] = _mm512_reduce_add_ps(acc[i][j]);
+        }
+    }
 
-    template <int NV>
-    static void pv_block(const float* s, int r, int64_t nc, const T* v, int64_t ldv, int64_t Dv, int64_t j,
-                         float* orow, int64_t n) {
+    template <int NV, bool kOneHead>
+    static void pv_block(const float* s, int64_t cb, int64_t ce, const T* v, int64_t ldv, const int64_t* off,
+                         int64_t Dv, int64_t j, float* orow, int64_t n, bool prefetch) {
         __m512 acc[RG][NV];
         __mmask16 m[NV];
 #pragma GCC unroll 4
@@ -155,19 +177,32 @@ struct DecodeGemm {
         for (int i = 0; i < RG; ++i)
 #pragma GCC unroll 4
             for (int t = 0; t < NV; ++t) acc[i][t] = _mm512_loadu_ps(orow + i * n + j + 16 * t);
-        for (int64_t c = 0; c < nc; ++c) {
+        for (int64_t c = cb; c < ce; ++c) {
             const T* vr = v + c * ldv + j;
-            __m512 vv[NV];
+            if constexpr (kOneHead) {
+                __m512 vv[NV];
 #pragma GCC unroll 4
-            for (int t = 0; t < NV; ++t) {
-                if (r == 0) _mm_prefetch(reinterpret_cast<const char*>(vr + kPrefetchKeys * ldv + 16 * t), _MM_HINT_T0);
-                vv[t] = E::load(vr + 16 * t, m[t]);
-            }
+                for (int t = 0; t < NV; ++t) {
+                    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(vr + kPrefetchKeys * ldv + off[0] + 16 * t), _MM_HINT_T0);
+                    vv[t] = E::load(vr + off[0] + 16 * t, m[t]);
+                }
 #pragma GCC unroll 4
-            for (int i = 0; i < RG; ++i) {
-                const __m512 pr = _mm512_set1_ps(s[c * RB + r + i]);
+                for (int i = 0; i < RG; ++i) {
+                    const __m512 pr = _mm512_set1_ps(s[c * RB + i]);
 #pragma GCC unroll 4
-                for (int t = 0; t < NV; ++t) acc[i][t] = _mm512_fmadd_ps(pr, vv[t], acc[i][t]);
+                    for (int t = 0; t < NV; ++t) acc[i][t] = _mm512_fmadd_ps(pr, vv[t], acc[i][t]);
+                }
+            } else {
+#pragma GCC unroll 4
+                for (int i = 0; i < RG; ++i) {
+                    const __m512 pr = _mm512_set1_ps(s[c * RB + i]);
+#pragma GCC unroll 4
+                    for (int t = 0; t < NV; ++t) {
+                        if (i == 0 || off[i] != off[i - 1])
+                            _mm_prefetch(reinterpret_cast<const char*>(vr + kPrefetchKeys * ldv + off[i] + 16 * t), _MM_HINT_T0);
+                        acc[i][t] = _mm512_fmadd_ps(pr, E::load(vr + off[i] + 16 * t, m[t]), acc[i][t]);
+                    }
+                }
             }
         }
 #pragma GCC unroll 4
@@ -175,31 +210,44 @@ struct DecodeGemm {
 #pragma GCC unroll 4
             for (int t = 0; t < NV; ++t) _mm512_storeu_ps(orow + i * n + j + 16 * t, acc[i][t]);
     }
+    template <bool kOneHead>
+    static void pv_group(const float* s, int64_t cb, int64_t ce, const T* v, int64_t ldv, const int64_t* off,
+                         int64_t Dv, float* orow, int64_t n, bool prefetch) {
+        for (int64_t j = 0; j < n; j += 64) {
+            switch ((n - j) / 16) {
+                case 1: pv_block<1, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
+                case 2: pv_block<2, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
+                case 3: pv_block<3, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
+                default: pv_block<4, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
+            }
+        }
+    }
 
-    // O[r0 + r][:] += sum_c P[r][c] V[c][:] for the block's rows, 64 columns at a time.
+    // O[r0 + r][:] += sum_c P[r][c] V[c][:], key blocks outer (as in qk), 64 columns at a time.
     static void pv(int, int rows, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* o,
-                   int64_t r0, int64_t, float*) {
+                   int64_t r0, int64_t, float*, RowHeads heads) {
         const T* v = static_cast<const T*>(vt);
         const int64_t n = dp(Dv);
-        for (int r = 0; r < rows; r += RG) {
-            float* orow = o + (r0 + r) * n;
-            for (int64_t j = 0; j < n; j += 64) {
-                switch ((n - j) / 16) {
-                    case 1: pv_block<1>(s, r, nc, v, ldv, Dv, j, orow, n); break;
-                    case 2: pv_block<2>(s, r, nc, v, ldv, Dv, j, orow, n); break;
-                    case 3: pv_block<3>(s, r, nc, v, ldv, Dv, j, orow, n); break;
-                    default: pv_block<4>(s, r, nc, v, ldv, Dv, j, orow, n); break;
-                }
+        for (int64_t cb = 0; cb < nc; cb += KBLK) {
+            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
+            for (int r = 0; r < rows; r += RG) {
+                int64_t off[RG];
+                for (int j = 0; j < RG; ++j) off[j] = heads.kv[r + j] * heads.v_sh;
+                const bool first_of_head = r == 0 || heads.kv[r - 1] != heads.kv[r];
+                float* orow = o + (r0 + r) * n;
+                if (off[0] == off[RG - 1]) pv_group<true>(s + r, cb, ce, v, ldv, off, Dv, orow, n, first_of_head);
+                else pv_group<false>(s + r, cb, ce, v, ldv, off, Dv, orow, n, true);
             }
         }
     }
 };
 
 
-// Entry points shared by the AVX-512 families: an item of at most kMaxRows rows runs the decode
-// policy for its dtype; the family runs everything else.
+// Entry points shared by the AVX-512 families: an item of at most kRowsPerHead rows per kv head
+// (planned with up to kMaxRows rows over several kv heads) runs the decode policy for its dtype;
+// the family runs everything else.
 inline bool is_decode_item(const WorkItem& it) {
-    return int64_t(it.g1 - it.g0) * (it.i1 - it.i0) <= DecodeGemm<F32Elem>::kMaxRows;
+    return int64_t(it.g1 - it.g0) * (it.i1 - it.i0) <= DecodeGemm<F32Elem>::kRowsPerHead * it.kv_span;
 }
 inline int64_t decode_scratch_floats(const Params& p, int64_t rows) {
     rows = rows < DecodeGemm<F32Elem>::kMaxRows ? rows : DecodeGemm<F32Elem>::kMaxRows;

@@ -159,11 +159,11 @@ struct F32Gemm : TransposedO<V> {
     // The tile loop's interface: S (rows of one block, log2-domain logits before biases) and
     // O^T += P V for a row block of nv vectors; K/V tiles as returned by k_tile / v_tile.
     static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
-                   int64_t nc, float* s, float /*post_scale: Q already scaled*/) {
+                   int64_t nc, float* s, float /*post_scale: Q already scaled*/, RowHeads) {
         qk_nv(nv, qbuf, M, static_cast<const float*>(kt), ldk, D, nc, s);
     }
     static void pv(int nv, int /*rows*/, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
-                   int64_t r0, int64_t M, float* /*pbuf*/) {
+                   int64_t r0, int64_t M, float* /*pbuf*/, RowHeads) {
         pv_nv(nv, s, nc, static_cast<const float*>(vt), ldv, Dv, oT + r0, M);
     }
 

@@ -12,12 +12,22 @@
 namespace fa2cpu {
 
 // One unit of parallel work: a set of query rows (heads hkv*G + [g0, g1) x query rows [i0, i1) of
-// sequence b) against key positions [kb, ke) of that sequence.
+// sequence b) against key positions [kb, ke) of that sequence. Row r is head hkv*G + g0 + r/(i1-i0),
+// query i0 + r%(i1-i0). Usually g1 <= G (one kv head); decode items of families with
+// decode_rows > 0 may span kv_span consecutive kv heads (g0 = 0, g1 = kv_span*G).
 struct WorkItem {
     int32_t b, hkv, g0, g1;
     int64_t i0, i1;
     int64_t kb, ke;
     int64_t part;  // -1: write the final output; else row offset into the split-KV partial buffers
+    int32_t kv_span = 1;
+};
+
+// Per-row kv head of an item (relative to its first kv head), for GEMM policies whose items may
+// span kv heads; kv[r] is indexed like the rows of the current row block.
+struct RowHeads {
+    const int32_t* kv;
+    int64_t k_sh, v_sh;
 };
 
 // Partial results of split-KV items: part_o[(part + r)*dv + j] is row r's output normalised over
@@ -30,8 +40,10 @@ struct Partials {
 // One row of the dispatch table (one per compiled family).
 struct KernelTable {
     Isa isa;
-    int64_t max_rows;  // rows (heads x queries) one work item holds: sizes Q/O scratch
-    int64_t kv_tile;   // keys per streamed K/V tile
+    int64_t max_rows;     // rows (heads x queries) one work item holds: sizes Q/O scratch
+    int64_t kv_tile;      // keys per streamed K/V tile
+    int64_t decode_rows_per_head;  // > 0: items with at most this many rows per kv head are decode
+    int64_t decode_rows;           //      items and may span kv heads, up to this many rows in all
     // Floats of per-thread scratch needed for an item of p with at most `rows` rows.
     int64_t (*scratch_floats)(const Params& p, int64_t rows);
     void (*run_item)(const Params& p, const WorkItem& it, float* scratch, Partials parts);

@@ -37,7 +37,7 @@ struct TileLoop {
 
     struct Layout {
         int64_t M;
-        int64_t qT, oT, kp, vp, pb, s, m, l, lo, hi, rel, slope, moff, keep, total;
+        int64_t qT, oT, kp, vp, pb, s, m, l, lo, hi, rel, slope, moff, keep, kvh, total;
     };
     static Layout layout(const Params& p, int64_t rows) {
         Layout L;
@@ -54,6 +54,7 @@ struct TileLoop {
         L.rel = take(L.M); L.slope = take(L.M);
         L.moff = take(2 * L.M);   // int64 mask row offsets
         L.keep = take(BC * RB);   // mask values of one row block (float, gathered)
+        L.kvh = take(L.M);        // int32 kv head of each row, relative to the item's first
         L.total = o;
         return L;
     }
@@ -74,6 +75,7 @@ struct TileLoop {
         float* rel = scratch + L.rel; float* slope = scratch + L.slope;
         int64_t* moff = reinterpret_cast<int64_t*>(scratch + L.moff);
         float* keep = scratch + L.keep;
+        int32_t* kvh = reinterpret_cast<int32_t*>(scratch + L.kvh);
 
         const bool use_softcap = p.softcap > 0.f;
         const float qscale = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
@@ -90,9 +92,11 @@ struct TileLoop {
             if (r >= R) {  // padding lanes: computed, never stored, never decide a skip
                 G::zero_q_row(qT, M, r, D);
                 lo_f[r] = 0.f; hi_f[r] = float(nk); rel[r] = 0.f; slope[r] = 0.f; moff[r] = 0;
+                kvh[r] = R > 0 ? kvh[R - 1] : 0;  // padding rows read the last row's head
                 continue;
             }
             const int64_t h = it.hkv * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
+            kvh[r] = int32_t(h / group - it.hkv);
             float tmp[256];
             load_row_scalar(tmp, elem_ptr(p.q, q_row_offset(p, b, i, p.q_sb, p.q_sn) + h * p.q_sh, dt), D, p.q_sd, dt);
             G::pack_q_row(qT, M, r, tmp, D, G::kPostScale ? 1.f : qscale);
@@ -130,11 +134,12 @@ struct TileLoop {
                 const int64_t ncb = int64_t(bhi) - c0 + 1 < nc ? int64_t(bhi) - c0 + 1 : nc;
                 const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + ncb - 1);
 
-                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, ncb, s, qk_scale);
+                const RowHeads heads{kvh + r0, p.k_sh, p.v_sh};
+                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, ncb, s, qk_scale, heads);
                 const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, sm_scale, lo_f, hi_f,
                                              rel, slope, moff, keep, s);
                 softmax_update(nv, ncb, s, mrow + r0, lrow + r0, oT, r0, M, Dv, biased ? 1.f : sm_scale, pbuf);
-                G::pv(nv, int(rend - r0), s, ncb, vt, ldv, Dv, oT, r0, M, pbuf);
+                G::pv(nv, int(rend - r0), s, ncb, vt, ldv, Dv, oT, r0, M, pbuf, heads);
             }
         }
         finish(p, it, R, nqi, M, oT, mrow, lrow, parts);
@@ -247,7 +252,7 @@ struct TileLoop {
 // Builds the dispatch-table row of a family from its traits.
 template <class V, class G>
 KernelTable make_table(Isa isa, double (*peak)(int, double)) {
-    return KernelTable{isa, V::MAX_ROWS, G::BC, &TileLoop<V, G>::scratch_floats, &TileLoop<V, G>::run_item, peak};
+    return KernelTable{isa, V::MAX_ROWS, G::BC, 0, 0, &TileLoop<V, G>::scratch_floats, &TileLoop<V, G>::run_item, peak};
 }
 
 }  // namespace
