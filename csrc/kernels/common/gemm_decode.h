@@ -47,7 +47,7 @@ struct DecodeGemm {
     static constexpr bool kPairedP = false;
     static constexpr int64_t kRowAlign = 16;
     static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
-    static constexpr int64_t KBLK = 64;      // keys per block of the outer loop (all row groups)
+    static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
     // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used.
     static constexpr int64_t kPrefetchKeys = 32;
