@@ -58,10 +58,10 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     struct Base { WorkItem it; int64_t kb, ke; double cost; };
     std::vector<Base> bases;
     // Decode items may cover several kv heads when the cache interleaves heads within a position
-    // ((B, N, H, D) layouts): their K/V rows for a key are then one contiguous run, streamed once,
-    // instead of one short run per item a head-size stride apart. Only where the decode policy
-    // reads K/V in place (unit feature stride, unpaged): its packed tiles hold one head.
-    const bool heads_interleaved = !p.block_table && p.k_sd == 1 && p.v_sd == 1 &&
+    // ((B, N, H, D) layouts, paged or not): their K/V rows for a key are then one contiguous run,
+    // streamed once, instead of one short run per item a head-size stride apart. Only where the
+    // decode policy reads K/V in place (unit feature stride): its packed tiles hold one head.
+    const bool heads_interleaved = p.k_sd == 1 && p.v_sd == 1 &&
                                    std::llabs(p.k_sh) <= std::llabs(p.k_sn) && std::llabs(p.v_sh) <= std::llabs(p.v_sn);
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);

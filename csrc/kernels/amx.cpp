@@ -54,6 +54,7 @@ struct AmxGemm : TransposedO<V512> {
     static constexpr bool kPostScale = true;
     static constexpr bool kScaleInSoftmax = true;  // tiles are stored unscaled; the softmax scales
     static constexpr bool kPairedP = true;         // softmax writes P as bf16 pairs (gemm_bf16.h)
+    static constexpr bool kTilesInBlocks = false;
     static constexpr int64_t kRowAlign = 32;
     static_assert(RB % 32 == 0 && BC % 32 == 0, "whole 2x2 tile blocks");
 

@@ -30,6 +30,7 @@ struct Bf16Gemm : TransposedO<V> {
     static constexpr bool kPostScale = true;
     static constexpr bool kScaleInSoftmax = false;  // scaled for free in the QK store
     static constexpr bool kPairedP = true;          // softmax writes P as bf16 pairs
+    static constexpr bool kTilesInBlocks = false;
     static constexpr int64_t kRowAlign = W;                   // item rows padded to this
     static_assert(V::W == 16, "bf16 pairs fill 16 float32 lanes");
 

@@ -45,6 +45,7 @@ struct DecodeGemm {
     static constexpr bool kPostScale = false;
     static constexpr bool kScaleInSoftmax = false;
     static constexpr bool kPairedP = false;
+    static constexpr bool kTilesInBlocks = true;  // paged K/V read in place: a tile never crosses a block
     static constexpr int64_t kRowAlign = 16;
     static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
     static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
@@ -82,12 +83,13 @@ struct DecodeGemm {
         }
     }
 
-    // Rows of a K/V tile: in place for unit feature stride and no paging (any dtype), else
-    // gathered into buf (rows of dp(n) elements, native dtype).
-    static const void* tile(const Params& p, const void* base, int64_t sb, int64_t sn, int64_t sd, int64_t n,
+    // Rows of a K/V tile: in place for unit feature stride (any dtype; a paged tile lies in one
+    // block), else gathered into buf (rows of dp(n) elements, native dtype).
+    static const void* tile(const Params& p, int which, const void* base, int64_t sb, int64_t sn, int64_t sd, int64_t n,
                             int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
         const T* src = static_cast<const T*>(base);
-        if (sd == 1 && !p.block_table) {
+        prefetch_delta(which) = sd == 1 ? tile_prefetch_delta(p, sb, sn, b, c0) : kPrefetchKeys * dp(n);
+        if (sd == 1) {  // unpaged, or paged with the tile inside one block (kTilesInBlocks)
             *ld = sn;
             return src + k_row_offset(p, b, c0, sb, sn) + head;
         }
@@ -101,11 +103,24 @@ struct DecodeGemm {
         *ld = np;
         return out;
     }
+    // Prefetch distance (elements) of the tile being processed, per thread: kPrefetchKeys rows
+    // further on for a contiguous cache; for a paged one the same row of the sequence's next block
+    // (blocks are scattered, out of reach of hardware prefetchers), 0 at the last block.
+    static int64_t& prefetch_delta(int which) {
+        static thread_local int64_t delta[2];
+        return delta[which];
+    }
+    static int64_t tile_prefetch_delta(const Params& p, int64_t sb, int64_t sn, int64_t b, int64_t c0) {
+        if (!p.block_table) return kPrefetchKeys * sn;
+        const int64_t cur = c0 / p.block_size, next = cur + 1;
+        if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
+        return (int64_t(p.block_table[b * p.bt_sb + next]) - int64_t(p.block_table[b * p.bt_sb + cur])) * sb;
+    }
     static const void* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
-        return tile(p, p.k, p.k_sb, p.k_sn, p.k_sd, p.d, b, c0, nc, head, buf, ld);
+        return tile(p, 0, p.k, p.k_sb, p.k_sn, p.k_sd, p.d, b, c0, nc, head, buf, ld);
     }
     static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
-        return tile(p, p.v, p.v_sb, p.v_sn, p.v_sd, p.dv, b, c0, nc, head, buf, ld);
+        return tile(p, 1, p.v, p.v_sb, p.v_sn, p.v_sd, p.dv, b, c0, nc, head, buf, ld);
     }
 
     // s[c*RB + r] = q_r . k_c for the block's rows, in groups of RG rows (rows past `rows` have
@@ -130,6 +145,7 @@ struct DecodeGemm {
     template <bool kOneHead>
     static void qk_group(const float* qr, int64_t Dp, int64_t D, const T* k, int64_t ldk, const int64_t* off,
                          int64_t cb, int64_t ce, float* s, bool prefetch) {
+        const int64_t pf = prefetch_delta(0);
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const T* kr[KB];
@@ -147,7 +163,7 @@ struct DecodeGemm {
 #pragma GCC unroll 4
                 for (int i = 0; i < KB; ++i) {
                     if constexpr (kOneHead) {
-                        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + kPrefetchKeys * ldk + off[0] + d), _MM_HINT_T0);
+                        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[0] + d), _MM_HINT_T0);
                         const __m512 kv = E::load(kr[i] + off[0] + d, m);
 #pragma GCC unroll 4
                         for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_fmadd_ps(kv, qv[j], acc[i][j]);
@@ -155,7 +171,7 @@ struct DecodeGemm {
 #pragma GCC unroll 4
                         for (int j = 0; j < RG; ++j) {
                             if (j == 0 || off[j] != off[j - 1])
-                                _mm_prefetch(reinterpret_cast<const char*>(kr[i] + kPrefetchKeys * ldk + off[j] + d), _MM_HINT_T0);
+                                _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[j] + d), _MM_HINT_T0);
                             acc[i][j] = _mm512_fmadd_ps(E::load(kr[i] + off[j] + d, m), qv[j], acc[i][j]);
                         }
                     }
@@ -169,6 +185,7 @@ struct DecodeGemm {
     template <int NV, bool kOneHead>
     static void pv_block(const float* s, int64_t cb, int64_t ce, const T* v, int64_t ldv, const int64_t* off,
                          int64_t Dv, int64_t j, float* orow, int64_t n, bool prefetch) {
+        const int64_t pf = prefetch_delta(1);
         __m512 acc[RG][NV];
         __mmask16 m[NV];
 #pragma GCC unroll 4
@@ -183,7 +200,7 @@ struct DecodeGemm {
                 __m512 vv[NV];
 #pragma GCC unroll 4
                 for (int t = 0; t < NV; ++t) {
-                    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(vr + kPrefetchKeys * ldv + off[0] + 16 * t), _MM_HINT_T0);
+                    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[0] + 16 * t), _MM_HINT_T0);
                     vv[t] = E::load(vr + off[0] + 16 * t, m[t]);
                 }
 #pragma GCC unroll 4
@@ -199,7 +216,7 @@ struct DecodeGemm {
 #pragma GCC unroll 4
                     for (int t = 0; t < NV; ++t) {
                         if (i == 0 || off[i] != off[i - 1])
-                            _mm_prefetch(reinterpret_cast<const char*>(vr + kPrefetchKeys * ldv + off[i] + 16 * t), _MM_HINT_T0);
+                            _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[i] + 16 * t), _MM_HINT_T0);
                         acc[i][t] = _mm512_fmadd_ps(pr, E::load(vr + off[i] + 16 * t, m[t]), acc[i][t]);
                     }
                 }

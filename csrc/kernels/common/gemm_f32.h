@@ -21,6 +21,7 @@ struct F32Gemm : TransposedO<V> {
     static constexpr bool kPostScale = false;  // Q is packed pre-scaled
     static constexpr bool kScaleInSoftmax = false;
     static constexpr bool kPairedP = false;
+    static constexpr bool kTilesInBlocks = false;
     static constexpr int64_t kRowAlign = W;                   // item rows padded to this
 
     // Scratch (floats) of the Q operand for M rows, of one packed K / V tile, of a P copy.

@@ -113,8 +113,11 @@ struct TileLoop {
         for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
         for (int64_t j = 0; j < G::o_floats(Dv, M); ++j) oT[j] = 0.f;
         const int64_t khead = it.hkv * p.k_sh, vhead = it.hkv * p.v_sh;
-        for (int64_t c0 = lo_min; c0 <= hi_max; c0 += BC) {
-            const int64_t nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
+        // Policies that read paged K/V in place (G::kTilesInBlocks) get tiles that end at block ends.
+        const bool block_tiles = G::kTilesInBlocks && p.block_table != nullptr;
+        for (int64_t c0 = lo_min, nc = 0; c0 <= hi_max; c0 += nc) {
+            nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
+            if (block_tiles && p.block_size - c0 % p.block_size < nc) nc = p.block_size - c0 % p.block_size;
             int64_t ldk, ldv;
             const void* kt = G::k_tile(p, b, c0, nc, khead, kp, &ldk);
             const void* vt = G::v_tile(p, b, c0, nc, vhead, vp, &ldv);
