@@ -3,6 +3,7 @@
 pointers and element strides, releases the GIL and calls the kernel. All argument checking
 happens before this point, in fa2cpu/attention.py."""
 cimport numpy as cnp
+import numpy as np
 from libc.stdint cimport int32_t, int64_t
 from openmp cimport omp_get_max_threads
 
@@ -24,6 +25,18 @@ cdef inline void _strides4(cnp.ndarray a, int64_t* s):
         s[i] = st[i] // item
 
 
+cdef cnp.ndarray _element_strided(cnp.ndarray a):
+    """a itself, or a contiguous copy when a byte stride is not a multiple of the item size
+    (only hand-made views): the core addresses arrays by element strides."""
+    cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(a)
+    cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(a)
+    cdef int i
+    for i in range(cnp.PyArray_NDIM(a)):
+        if st[i] % item:
+            return np.ascontiguousarray(a)
+    return a
+
+
 def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse, *,
         int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
         double scale, double softcap, int64_t win_left, int64_t win_right,
@@ -37,6 +50,9 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     cdef Params p
     cdef int64_t s[4]
     cdef cnp.ndarray a
+    q = _element_strided(q)
+    k = _element_strided(k)
+    v = _element_strided(v)
     p.dtype = dtype
     p.batch = batch
     p.hq = hq

@@ -101,6 +101,9 @@ class _Options:
     __slots__ = ("scale", "softcap", "left", "right")
 
     def __init__(self, d, causal, scale, window, softcap):
+        if scale is None and softcap is None and causal is False and type(window) is tuple and window == (-1, -1):
+            self.scale, self.softcap, self.left, self.right = 1.0 / math.sqrt(d), 0.0, -1, -1
+            return
         if scale is None:
             self.scale = 1.0 / math.sqrt(d)
         else:
@@ -295,7 +298,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     else:
         o4 = out[(None,) * (4 - rank)]
     lse = np.empty((B, Hq, Nq), np.float32) if return_lse else None
-    _core.run(_fix_strides(q4), _fix_strides(k4), _fix_strides(v4), o4, lse,
+    _core.run(q4, k4, v4, o4, lse,
               dtype=dt, batch=B, hq=Hq, hk=Hk, nq=Nq, nk=Nk,
               scale=opt.scale, softcap=opt.softcap, win_left=opt.left, win_right=opt.right,
               alibi=alibi, mask=mask4, mask_kind=mask_kind,
@@ -369,7 +372,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     nt = _threads(num_threads)
     out = _out(out, (Tq, Hq, Dv), q.dtype, {"q": q, "k": k, "v": v})
     lse = np.empty((Hq, Tq), np.float32) if return_lse else None
-    view = lambda a: _fix_strides(a.transpose(1, 0, 2)[None])  # noqa: E731 - (1, H, total, D)
+    view = lambda a: a.transpose(1, 0, 2)[None]  # noqa: E731 - (1, H, total, D)
     _core.run(view(q), view(k), view(v), out.transpose(1, 0, 2)[None],
               None if lse is None else lse[None],
               dtype=dt, batch=B, hq=Hq, hk=Hk, nq=0, nk=0,
@@ -447,27 +450,36 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         if v.shape != (B, nnew, Hk, Dv):
             raise ValueError(f"v: expected shape {(B, nnew, Hk, Dv)}, got {v.shape}")
 
+    # Scalar cache lengths (None = full, or an int) are checked as scalars: no array reductions
+    # on the per-token decode path.
     if cache_seqlens is None:
-        seqlens = np.full(B, capacity - nnew, np.int64)
-        if nnew and capacity - nnew < 0:
-            raise ValueError(f"k: {nnew} new tokens exceed the cache capacity {capacity}")
         if nnew:
             raise ValueError("cache_seqlens: required when appending k/v (the default means a full cache)")
+        scalar_len = capacity
     elif isinstance(cache_seqlens, (numbers.Integral, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
-        seqlens = np.full(B, int(cache_seqlens), np.int64)
+        scalar_len = int(cache_seqlens)
     else:
+        scalar_len = None
         cs = _array("cache_seqlens", cache_seqlens)
         if cs.dtype not in (np.int32, np.int64):
             raise TypeError(f"cache_seqlens: dtype {cs.dtype} is not supported; expected an int or int32 (B,)")
         if cs.shape != (B,):
             raise ValueError(f"cache_seqlens: expected shape ({B},), got {cs.shape}")
         seqlens = cs.astype(np.int64)
-    if B and seqlens.min() < 0:
-        raise ValueError(f"cache_seqlens: entries must be >= 0, got {int(seqlens.min())}")
-    total = seqlens + nnew
-    if B and total.max() > capacity:
-        raise ValueError(f"cache_seqlens: cache_seqlens + {nnew} new tokens = {int(total.max())} "
+    if scalar_len is not None:
+        lo = hi = scalar_len
+    elif B:
+        lo, hi = int(seqlens.min()), int(seqlens.max())
+    else:
+        lo = hi = 0
+    if lo < 0:
+        raise ValueError(f"cache_seqlens: entries must be >= 0, got {lo}")
+    if hi + nnew > capacity:
+        raise ValueError(f"cache_seqlens: cache_seqlens + {nnew} new tokens = {hi + nnew} "
                          f"exceeds the cache capacity {capacity}; the cache was left unchanged")
+    if scalar_len is not None:
+        seqlens = np.full(B, scalar_len, np.int64)
+    total = seqlens + nnew if nnew else seqlens
     if bt is not None and B:
         used = (total + rows - 1) // rows  # blocks each sequence reads
         cols = np.arange(bt.shape[1])
@@ -496,12 +508,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
             v_cache[blk, pos % rows] = v
 
     lse = np.empty((B, Hq, Nq), np.float32) if return_lse else None
-    _core.run(_fix_strides(q.transpose(0, 2, 1, 3)), _fix_strides(k_cache.transpose(0, 2, 1, 3)),
-              _fix_strides(v_cache.transpose(0, 2, 1, 3)), out.transpose(0, 2, 1, 3), lse,
+    _core.run(q.transpose(0, 2, 1, 3), k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3),
+              out.transpose(0, 2, 1, 3), lse,
               dtype=dt, batch=B, hq=Hq, hk=Hk, nq=Nq, nk=capacity,
               scale=opt.scale, softcap=opt.softcap, win_left=opt.left, win_right=opt.right,
               alibi=alibi, mask=None, mask_kind=0,
-              cu_q=None, cu_k=None, seqlen_k=np.ascontiguousarray(total, np.int64),
+              cu_q=None, cu_k=None, seqlen_k=total,
               block_table=None if bt is None else np.ascontiguousarray(bt), block_size=rows,
               num_threads=nt, num_splits=splits)
     return (out, lse) if return_lse else out
