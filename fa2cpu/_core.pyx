@@ -26,11 +26,14 @@ cdef inline void _strides4(cnp.ndarray a, int64_t* s):
 
 
 cdef cnp.ndarray _element_strided(cnp.ndarray a):
-    """a itself, or a contiguous copy when a byte stride is not a multiple of the item size
-    (only hand-made views): the core addresses arrays by element strides."""
+    """a itself, or an aligned contiguous copy when its data pointer or a byte stride is not a
+    multiple of the item size (only hand-made views): the core addresses arrays by element
+    strides through typed pointers."""
     cdef Py_ssize_t item = cnp.PyArray_ITEMSIZE(a)
     cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(a)
     cdef int i
+    if (<size_t>cnp.PyArray_DATA(a)) % item:
+        return np.ascontiguousarray(a)
     for i in range(cnp.PyArray_NDIM(a)):
         if st[i] % item:
             return np.ascontiguousarray(a)

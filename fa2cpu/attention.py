@@ -50,12 +50,9 @@ def _same_dtype(ref_name, ref, **arrays):
 
 
 def _fix_strides(a):
-    """The core addresses arrays by element strides; a byte stride that is not a multiple of the
-    item size (only possible with hand-made views) gets a contiguous copy."""
-    item = a.itemsize
-    if any(s % item for s in a.strides):
-        return np.ascontiguousarray(a)
-    return a
+    """The core addresses arrays by element strides through typed pointers; a data pointer or byte
+    stride that is not a multiple of the item size (only hand-made views) gets a contiguous copy."""
+    return a if a.flags.aligned else np.ascontiguousarray(a)
 
 
 def _int(name, x, minimum=None):
@@ -188,8 +185,8 @@ def _out(out, shape, dtype, inputs):
         raise ValueError(f"out: expected shape {tuple(shape)}, got {out.shape}")
     if not out.flags.writeable:
         raise ValueError("out: array is read-only")
-    if any(s % out.itemsize for s in out.strides):
-        raise ValueError("out: strides must be multiples of the item size")
+    if not out.flags.aligned:  # data pointer and strides multiples of the item's alignment
+        raise ValueError("out: data pointer and strides must be aligned to the item size")
     if out.size and any(0 in out.strides[i:i + 1] and out.shape[i] > 1 for i in range(out.ndim)):
         raise ValueError("out: must not have zero (broadcast) strides")
     for name, a in inputs.items():
