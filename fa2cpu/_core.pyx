@@ -33,10 +33,10 @@ cdef cnp.ndarray _element_strided(cnp.ndarray a):
     cdef cnp.npy_intp* st = cnp.PyArray_STRIDES(a)
     cdef int i
     if (<size_t>cnp.PyArray_DATA(a)) % item:
-        return np.ascontiguousarray(a)
+        return a.copy(order="C")
     for i in range(cnp.PyArray_NDIM(a)):
         if st[i] % item:
-            return np.ascontiguousarray(a)
+            return a.copy(order="C")
     return a
 
 

@@ -52,7 +52,7 @@ def _same_dtype(ref_name, ref, **arrays):
 def _fix_strides(a):
     """The core addresses arrays by element strides through typed pointers; a data pointer or byte
     stride that is not a multiple of the item size (only hand-made views) gets a contiguous copy."""
-    return a if a.flags.aligned else np.ascontiguousarray(a)
+    return a if a.flags.aligned else a.copy(order="C")  # a fresh, aligned buffer
 
 
 def _int(name, x, minimum=None):
