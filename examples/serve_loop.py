@@ -348,7 +348,9 @@ class Engine:
             self.k_cache[layer][blk, off] = k          # write the prompt K/V into the paged cache
             self.v_cache[layer][blk, off] = v
             if check:
+                tc = time.perf_counter()
                 self._check_prefill(layer, q, k, v, o, cu, blk, off)
+                t0 += self._check_time(tc)              # checks are not part of the timings
             x = m.residual(layer, x, o)
         nxt = m.next_tokens(x[cu[1:] - 1])                # logits of each prompt's last token
         now = time.perf_counter()
@@ -396,8 +398,10 @@ class Engine:
             q, k, v = m.qkv(layer, x, seqlens, self.dtype)         # new token at position seqlen
             q, k, v = q[:, None], k[:, None], v[:, None]           # (B, 1, H, D)
             if check:   # float64 oracle on copies of the cache, before the in-place append
+                tc = time.perf_counter()
                 ref, _ = _reference.kvcache_ref(q, self.k_cache[layer], self.v_cache[layer], k, v,
                                                 cache_seqlens=seqlens, block_table=bt, causal=True)
+                t0 += self._check_time(tc)
             ta = time.perf_counter()
             o = fa2cpu.flash_attention_with_kvcache(q, self.k_cache[layer], self.v_cache[layer],
                                                     k=k, v=v, cache_seqlens=seqlens,
@@ -405,7 +409,9 @@ class Engine:
                                                     num_threads=self.nt)
             self.times["decode_attn"] += time.perf_counter() - ta
             if check:
+                tc = time.perf_counter()
                 self._check_decode(layer, q, k, v, o, ref, seqlens, bt)
+                t0 += self._check_time(tc)
             x = m.residual(layer, x, o[:, 0])
         nxt = m.next_tokens(x)
         now = time.perf_counter()
@@ -419,6 +425,11 @@ class Engine:
         return len(batch)
 
     # ---- --check ----------------------------------------------------------------------------
+    def _check_time(self, since):
+        dt = time.perf_counter() - since
+        self.times["check"] += dt
+        return dt
+
     def _err(self, actual, ref):
         atol, rtol = TOL[self.dtype_name]
         diff = np.abs(np.asarray(actual, np.float64) - np.asarray(ref, np.float64))
@@ -488,11 +499,11 @@ def make_requests(rng, n, *, min_prompt, max_prompt, max_new_tokens, arrival_rat
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--requests", type=int, default=32, help="number of requests to serve")
-    p.add_argument("--max-new-tokens", type=int, default=64,
+    p.add_argument("--requests", type=int, default=64, help="number of requests to serve")
+    p.add_argument("--max-new-tokens", type=int, default=128,
                    help="per-request limit is drawn from [max/4, max]")
     p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
-    p.add_argument("--max-prompt", type=int, default=256, help="longest prompt (tokens)")
+    p.add_argument("--max-prompt", type=int, default=512, help="longest prompt (tokens)")
     p.add_argument("--arrival-rate", type=float, default=1.0,
                    help="mean new requests per engine step (Poisson); 0 = all at once")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
@@ -510,8 +521,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="fa2cpu threads; None = OpenMP's maximum (OMP_NUM_THREADS)")
     p.add_argument("--blas-threads", type=int, default=1,
-                   help="threads for the NumPy projections (1 keeps BLAS from spinning on the "
-                        "cores fa2cpu's OpenMP threads need)")
+                   help="threads for the NumPy projections. 1 keeps OpenBLAS and fa2cpu's OpenMP "
+                        "threads from spinning against each other: with both at 2 on 2 cores, "
+                        "decode ran ~30x slower (OMP_WAIT_POLICY=passive also avoids it)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, prompts and arrivals")
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many engine steps; None = until every request is done")
@@ -553,7 +565,7 @@ def main(argv=None):
     except ValueError as e:
         raise SystemExit(f"serve_loop.py: error: {e}") from None
     threads = a.threads or fa2cpu._core.max_threads()
-    print(f"fa2cpu {fa2cpu.__version__} serve loop: {a.requests} requests, {a.layers} layers, "
+    print(f"fa2cpu {fa2cpu.__version__} serve loop: {a.requests} requests, {a.layers} layer{'s' * (a.layers > 1)}, "
           f"Hq={a.heads_q} Hk={a.heads_kv} D={a.head_dim}, {a.dtype}, KV pool {a.num_blocks} blocks "
           f"x {a.block_size} tokens, max batch {a.max_batch}, kernels {fa2cpu.get_isa()}, "
           f"{threads} threads")
@@ -585,7 +597,7 @@ def main(argv=None):
         "decode_tokens": st["decode_tokens"], "decode_steps": st["decode_steps"],
         "decode_s": tm["decode"], "decode_attn_s": tm["decode_attn"],
         "decode_tok_s": rate(st["decode_tokens"], tm["decode"]),
-        "wall_s": wall, "preemptions": st["preemptions"], "peak_batch": st["peak_batch"],
+        "wall_s": wall, "check_s": tm["check"], "preemptions": st["preemptions"], "peak_batch": st["peak_batch"],
         "num_blocks": a.num_blocks, "peak_blocks_used": eng.allocator.peak_used,
         "blocks_in_use_at_end": blocks_in_use_at_end, "blocks_free": eng.allocator.num_free,
         "all_blocks_free": eng.allocator.all_free(),
@@ -595,6 +607,7 @@ def main(argv=None):
     }
     s = summary
     print(f"requests completed: {s['completed']}/{s['requests']} in {s['steps']} steps, {wall:.2f} s"
+          + (f" ({tm['check']:.2f} s of it in --check)" if a.check else "")
           + (f" ({unfinished} unfinished, aborted at --steps {a.steps})" if unfinished else ""))
     print(f"tokens generated:   {s['tokens_generated']} ({s['prefill_first_tokens']} first tokens "
           f"from prefill + {s['decode_tokens']} decoded), mean time to first token "

@@ -56,6 +56,16 @@ def test_serve_loop_check(serve_loop, dtype):
     assert max(c["prefill_max_err"], c["decode_max_err"], c["decode_vs_gathered_max_err"]) < bound
 
 
+def test_serve_loop_default_model(serve_loop):
+    """The default model shape (2 layers, GQA 8/2, D=64, bf16, 16-token blocks) with fewer requests."""
+    s, elapsed = _run(serve_loop, ["--requests", "12", "--max-new-tokens", "24", "--max-prompt", "100",
+                                   "--check", "--check-steps", "4"])
+    assert elapsed < 20
+    _assert_clean_finish(s, 12)
+    assert s["check_ok"], s["check"]
+    assert s["check"]["decode_checked"] == 2 * 4
+
+
 def test_blocks_returned_under_preemption(serve_loop):
     """A KV pool just big enough for one request: admissions, block growth, preemption and
     re-prefill all happen, and at the end every block is back on the free list."""
@@ -75,6 +85,11 @@ def test_steps_limit_releases_blocks(serve_loop):
     assert s["steps"] == 3 and s["unfinished"] > 0
     assert s["blocks_in_use_at_end"] > 0          # still held by running requests when cut short
     assert s["all_blocks_free"]                   # ...and released by the abort
+
+
+def test_pool_too_small_is_an_error(serve_loop):
+    with pytest.raises(SystemExit, match="cannot hold one request"):
+        serve_loop.main(TINY + ["--num-blocks", "1"])
 
 
 def test_allocator(serve_loop):
