@@ -21,11 +21,6 @@ extern const KernelTable kTableAvx512bf16;
 extern const KernelTable kTableAmx;
 #endif
 
-const char* isa_name(Isa isa) {
-    static const char* names[] = {"amx", "avx512bf16", "avx512", "avx2", "generic"};
-    return names[int(isa)];
-}
-
 static const KernelTable* table_of(int isa) {
     switch (Isa(isa)) {
 #if defined(FA2CPU_HAVE_AMX)

@@ -168,7 +168,7 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
         const int64_t h = it.hkv * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
         const int64_t ob = q_row_offset(p, it.b, i, p.o_sb, p.o_sn) + h * p.o_sh;
         for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, acc[j] * inv, dt);
-        if (p.lse) p.lse[q_row_offset(p, it.b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * 0.6931471805599453f;
+        if (p.lse) p.lse[q_row_offset(p, it.b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * kLn2;
     }
 }
 

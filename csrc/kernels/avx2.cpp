@@ -39,7 +39,7 @@ struct V256 {
         return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     }
     static vec tanh(vec x) {
-        const vec t = exp2(_mm256_mul_ps(x, _mm256_set1_ps(2.f * 1.4426950408889634f)));
+        const vec t = exp2(_mm256_mul_ps(x, _mm256_set1_ps(2.f * kLog2e)));
         return _mm256_sub_ps(_mm256_set1_ps(1.f), _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(t, _mm256_set1_ps(1.f))));
     }
     static vec mask_outside(vec x, vec kc, vec lo, vec hi, vec ninf) {

@@ -8,7 +8,6 @@ namespace fa2cpu {
 
 // Kernel families, best first. The same names are used in file names, FA2CPU_ISA and Python.
 enum class Isa : int { amx = 0, avx512bf16 = 1, avx512 = 2, avx2 = 3, generic = 4, count = 5 };
-const char* isa_name(Isa isa);
 
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };  // boolean: uint8, additive: float32

@@ -54,6 +54,10 @@ struct KernelTable {
 
 namespace {
 
+// Scores live in the log2 domain inside the kernels (exp2 softmax); LSE goes out in natural log.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 inline int64_t seq_nq(const Params& p, int64_t b) {
     return p.cu_q ? p.cu_q[b + 1] - p.cu_q[b] : p.nq;
 }

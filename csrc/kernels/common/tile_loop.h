@@ -23,9 +23,6 @@
 namespace fa2cpu {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 template <class V, class Gm>
 struct TileLoop {
     using G = Gm;

@@ -42,7 +42,7 @@ struct V512 {
         return _mm512_scalef_ps(p, n);  // p * 2^n, underflows to 0 for n = -150
     }
     static vec tanh(vec x) {  // 1 - 2 / (e^(2x) + 1): exact limits +-1, NaN kept
-        const vec t = exp2(_mm512_mul_ps(x, _mm512_set1_ps(2.f * 1.4426950408889634f)));
+        const vec t = exp2(_mm512_mul_ps(x, _mm512_set1_ps(2.f * kLog2e)));
         return _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(t, _mm512_set1_ps(1.f))));
     }
     static vec mask_outside(vec x, vec kc, vec lo, vec hi, vec ninf) {
