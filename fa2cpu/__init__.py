@@ -7,7 +7,18 @@ import os as _os
 import sys as _sys
 import warnings as _warnings
 
-from . import _core
+try:
+    from . import _core
+except ImportError as _e:  # pragma: no cover - exercised by tests/test_hardening.py in a subprocess
+    _here = _os.path.dirname(_os.path.abspath(__file__))
+    if _os.path.exists(_os.path.join(_here, "_core.pyx")) and _os.path.exists(_os.path.join(_here, "..", "setup.py")):
+        raise ImportError(
+            f"fa2cpu's compiled extension (fa2cpu._core) is not built in the source checkout at "
+            f"{_os.path.dirname(_here)}, and Python imported fa2cpu from there (the current directory "
+            f"comes first on sys.path). Either run from another directory after `pip install .`, or "
+            f"build in place: `pip install --no-build-isolation -e .` "
+            f"(or `python setup.py build_ext --inplace`).") from _e
+    raise
 from .attention import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
 from .backward import flash_attention_backward
 
@@ -64,7 +75,8 @@ def show_config(file=None):
         f"compiled families: {', '.join(_core.compiled_isas())}",
         f"usable families:   {', '.join(_core.available_isas())}",
         f"family in use:     {_core.get_isa()}",
-        f"threads (OpenMP max): {_core.max_threads()}",
+        f"threads (OpenMP max): {_core.max_threads()}, usable CPUs: {_core.max_useful_threads()}, "
+        f"pool helpers alive: {_core.pool_threads()}",
         "threadpool_info:",
     ]
     print("\n".join(lines), file=out)
@@ -76,6 +88,23 @@ def show_config(file=None):
                                                            "prefix", "filepath", "version") if k in p), file=out)
 
 
+def _user_stacklevel():
+    """stacklevel for a warning raised while fa2cpu is being imported that points at the user's
+    `import fa2cpu` line: frames inside this package are counted and skipped; importlib's frames
+    are skipped by the warnings module itself, so they are not counted."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    frame, level = _sys._getframe(1), 1
+    while frame is not None:
+        fn = frame.f_code.co_filename
+        if fn.startswith("<frozen importlib"):
+            frame = frame.f_back
+            continue
+        if not fn.startswith(here):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
 def _isa_from_env():
     name = _os.environ.get("FA2CPU_ISA", "").strip()
     if not name:
@@ -83,7 +112,7 @@ def _isa_from_env():
     try:
         set_isa(name)
     except (ValueError, RuntimeError) as e:
-        _warnings.warn(f"FA2CPU_ISA={name!r} ignored: {e}", RuntimeWarning, stacklevel=2)
+        _warnings.warn(f"FA2CPU_ISA={name!r} ignored: {e}", RuntimeWarning, stacklevel=_user_stacklevel())
 
 
 _isa_from_env()

@@ -130,6 +130,17 @@ def max_threads():
     return omp_get_max_threads()
 
 
+def max_useful_threads():
+    """CPUs this process may run on: the cap on any thread count (csrc/driver/pool.h)."""
+    return c.max_useful_threads()
+
+
+def pool_threads():
+    """Helper threads the driver's pool has created in this process (0 before the first
+    multi-threaded call, and again in a child of fork())."""
+    return c.pool_threads()
+
+
 def available_isas():
     cdef int codes[8]
     cdef int n = c.available_isas(codes)

@@ -39,3 +39,7 @@ cdef extern from "fa2cpu/fa2cpu.h" namespace "fa2cpu" nogil:
     void reset_isa() except +
     double peak_gflops(int isa, int dtype, int threads, double seconds) except +
     double read_bandwidth_gbs(int threads, int64_t nbytes) except +
+
+cdef extern from "driver/pool.h" namespace "fa2cpu" nogil:
+    int max_useful_threads() except +
+    int pool_threads() except +

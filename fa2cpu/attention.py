@@ -3,7 +3,13 @@
 Every check happens here, before anything is written: bad input raises TypeError (wrong type or
 dtype) or ValueError (wrong shape or value) naming the argument. Nothing is copied except where
 a stride is not a multiple of the item size (exotic byte-offset views), a float mask of another
-float dtype (converted at its own, un-broadcast size) and the small index arrays.
+float dtype (converted at its own, un-broadcast size) and the small index arrays (always copied,
+so that an `out=` sharing their memory cannot change them while the kernels read them).
+
+Limits (API.md, "Conventions"): positions and window bounds are Python/int64 integers end to end;
+window bounds past every sequence are normalised to -1 (unbounded), so the core never sees a bound
+that could overflow; floats that reach the kernels (scale, softcap, slopes, mask values) must fit
+float32 after the kernels' log2(e) scaling; thread counts are capped at the usable CPUs.
 """
 import math
 import numbers
@@ -18,17 +24,47 @@ __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kv
 # dtype -> code of the C++ DType enum (csrc/include/fa2cpu/fa2cpu.h)
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}
 _ACCEPTED = "float32, float16 or ml_dtypes.bfloat16"
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256  # kMaxHeadDim in csrc/include/fa2cpu/fa2cpu.h
+
+# Float limits. The kernels work in the log2 domain: scale, mask values and ALiBi slopes are
+# multiplied by log2(e) in float32, so their magnitude must stay below FLT_MAX / log2(e).
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
+_LOG2E = 1.4426950408889634
+_LOG2_MAX = _F32_MAX / _LOG2E                 # ~2.36e38
+_MAX_SPLITS = 1 << 20                         # more splits than this never help (a split >= 1 tile)
 
 
 # ---------------------------------------------------------------------------------------------
 # small validators
 # ---------------------------------------------------------------------------------------------
+def _not_an_array(name, x):
+    """TypeError for a q/k/v-like argument that is not an ndarray, saying what it is."""
+    kind = type(x)
+    if kind.__module__.split(".")[0] == "torch":
+        return TypeError(f"{name}: got a torch.Tensor; the NumPy API takes NumPy arrays. For tensors use "
+                         f"fa2cpu.torch (same functions, zero-copy, autograd): import fa2cpu.torch")
+    if isinstance(x, (list, tuple)):
+        return TypeError(f"{name}: expected a NumPy array, got a Python {kind.__name__}; convert it first, "
+                         f"e.g. np.asarray({name}, dtype=np.float32)")
+    return TypeError(f"{name}: expected a NumPy array, got {kind.__name__}")
+
+
+def _data(name, x):
+    """q, k, v, caches, out, dout: ndarrays only (no silent conversion of lists or tensors)."""
+    if isinstance(x, np.ndarray):
+        return x
+    raise _not_an_array(name, x)
+
+
 def _array(name, x):
+    """Small arguments (masks, slopes, index arrays): ndarrays or anything np.asarray accepts."""
     if isinstance(x, np.ndarray):
         return x
     if x is None:
         raise TypeError(f"{name}: expected a NumPy array, got None")
+    if type(x).__module__.split(".")[0] == "torch":
+        raise _not_an_array(name, x)
     try:
         return np.asarray(x)
     except Exception as e:  # noqa: BLE001 - report any conversion failure as a type problem
@@ -65,18 +101,28 @@ def _int(name, x, minimum=None):
 
 
 def _threads(num_threads):
-    """None -> OpenMP's current maximum (OMP_NUM_THREADS, threadpoolctl), else an int >= 1."""
+    """None -> OpenMP's current maximum (OMP_NUM_THREADS, threadpoolctl), else an int >= 1; either
+    capped at the CPUs this process may run on (more threads never help; thousands cannot even
+    be created)."""
     if num_threads is None:
-        return max(1, _core.max_threads())
-    return _int("num_threads", num_threads, 1)
+        n = _core.max_threads()
+    else:
+        n = _int("num_threads", num_threads, 1)
+    return max(1, min(n, _core.max_useful_threads()))
 
 
-def _head_dims(q_name, q_d, k_d, v_d, shapes):
+def _f32_real(name, x, what="a float"):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected {what}, got {type(x).__name__}")
+    return float(x)
+
+
+def _head_dims(q_name, q_d, k_d, v_d, shapes, k_name="k", v_name="v"):
     """shapes: {name: user-facing shape} for the messages."""
     if q_d != k_d:
-        raise ValueError(f"k: head dim {k_d} does not match {q_name}'s head dim {q_d} "
-                         f"(k shape {shapes['k']}, {q_name} shape {shapes[q_name]})")
-    for name, d in ((q_name, q_d), ("v", v_d)):
+        raise ValueError(f"{k_name}: head dim {k_d} does not match {q_name}'s head dim {q_d} "
+                         f"({k_name} shape {shapes[k_name]}, {q_name} shape {shapes[q_name]})")
+    for name, d in ((q_name, q_d), (v_name, v_d)):
         if not 1 <= d <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: head dim must be in 1..{MAX_HEAD_DIM}, got {d} (shape {shapes[name]})")
 
@@ -94,29 +140,37 @@ def _heads(hq, hk, hv, shapes, q_name="q", k_name="k", v_name="v"):
 
 
 class _Options:
-    """Score options shared by every entry point, normalised for the core."""
+    """Score options shared by every entry point, normalised for the core.
+
+    ``nq_max``/``nk_max`` bound the query/key lengths of every sequence of the call: a window bound
+    that reaches past them is the same as unbounded and becomes -1, so any int is accepted and the
+    core only sees bounds in [-1, max length] (no int64 overflow, no Cython OverflowError)."""
     __slots__ = ("scale", "softcap", "left", "right")
 
-    def __init__(self, d, causal, scale, window, softcap):
+    def __init__(self, d, causal, scale, window, softcap, nq_max, nk_max):
         if scale is None and softcap is None and causal is False and type(window) is tuple and window == (-1, -1):
             self.scale, self.softcap, self.left, self.right = 1.0 / math.sqrt(d), 0.0, -1, -1
             return
         if scale is None:
             self.scale = 1.0 / math.sqrt(d)
         else:
-            if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (numbers.Real, np.floating, np.integer)):
-                raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-            self.scale = float(scale)
+            self.scale = _f32_real("scale", scale)
             if not math.isfinite(self.scale):
                 raise ValueError(f"scale: must be finite, got {self.scale}")
+            if abs(self.scale) > _LOG2_MAX:
+                raise ValueError(f"scale: {self.scale:g} does not fit float32 once multiplied by log2(e) "
+                                 f"(|scale| must be <= {_LOG2_MAX:.4g})")
         if softcap is None:
             self.softcap = 0.0
         else:
-            if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (numbers.Real, np.floating, np.integer)):
-                raise TypeError(f"softcap: expected a float or None, got {type(softcap).__name__}")
-            self.softcap = float(softcap)
+            self.softcap = _f32_real("softcap", softcap, "a float or None")
             if not (self.softcap >= 0.0 and math.isfinite(self.softcap)):
                 raise ValueError(f"softcap: must be a finite value >= 0 (0 or None = off), got {softcap}")
+            # The kernels compute scale / softcap and softcap * log2(e) in float32.
+            if self.softcap and not (_F32_TINY <= self.softcap <= _LOG2_MAX
+                                     and abs(self.scale) / self.softcap <= _F32_MAX):
+                raise ValueError(f"softcap: {self.softcap:g} does not fit float32 (needs {_F32_TINY:.3g} <= softcap "
+                                 f"<= {_LOG2_MAX:.4g} and |scale| / softcap <= {_F32_MAX:.4g}; scale = {self.scale:g})")
         try:
             left, right = window
         except (TypeError, ValueError):
@@ -127,8 +181,12 @@ class _Options:
             raise ValueError(f"window: entries must be >= -1 (-1 = unbounded), got {window!r}")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-        self.left = left
-        self.right = 0 if causal else right
+        if causal:
+            right = 0
+        # Row i of a sequence sees [i + nk - nq - left, i + nk - nq + right] within [0, nk): left >= nk - 1
+        # or right >= nq - 1 no longer clips anything.
+        self.left = -1 if left >= nk_max else left
+        self.right = -1 if right >= nq_max else right
 
 
 def _alibi(alibi_slopes, batch, hq):
@@ -142,6 +200,12 @@ def _alibi(alibi_slopes, batch, hq):
         a = np.broadcast_to(a[None, :], (batch, hq))
     elif a.shape != (batch, hq):
         raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({batch}, {hq}), got {a.shape}")
+    if a.size:
+        with np.errstate(invalid="ignore"):
+            big = np.abs(a) > _LOG2_MAX
+        if np.any(big & np.isfinite(a)):
+            raise ValueError(f"alibi_slopes: |slope| must be <= {_LOG2_MAX:.4g} (slopes are multiplied by log2(e) "
+                             f"in float32), got {float(np.abs(a[big]).max()):g}")
     return _fix_strides(a)
 
 
@@ -154,10 +218,20 @@ def _mask(mask, shape):
         kind = 1
     elif m.dtype.kind == "f" or m.dtype == ml_dtypes.bfloat16:
         kind = 2
+        # Checked and converted at the mask's own size: axes the caller broadcast (stride 0) stay so.
+        compact = m[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(m.strides, m.shape))]
+        if compact.size:
+            # Finite values must fit float32 after the kernels' log2(e) scaling; -inf (masked out),
+            # +inf and NaN are values with a meaning (the row becomes NaN for the last two).
+            c = compact.astype(np.float64) if compact.dtype != np.float32 else compact
+            fin = np.isfinite(c)
+            hi = np.max(c, initial=-np.inf, where=fin)
+            lo = np.min(c, initial=np.inf, where=fin)
+            if hi > _LOG2_MAX or lo < -_LOG2_MAX:
+                raise ValueError(f"mask: finite additive values must be within +-{_LOG2_MAX:.4g} (they are scaled "
+                                 f"by log2(e) in float32), got values in [{lo:g}, {hi:g}]; use -inf to mask out")
         if m.dtype != np.float32:
-            # Convert at the mask's own size: axes the caller broadcast (stride 0) stay broadcast.
-            compact = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(m.strides, m.shape))
-            m = np.broadcast_to(m[compact].astype(np.float32), m.shape)
+            m = np.broadcast_to(compact.astype(np.float32), m.shape)
     else:
         raise TypeError(f"mask: dtype {m.dtype} is not supported; expected bool (True = attend) "
                         f"or a float dtype (added to the scores)")
@@ -173,12 +247,25 @@ def _mask(mask, shape):
     return _fix_strides(m), kind
 
 
+def _overlaps(a, b):
+    """Exact test whether two arrays share a byte (np.shares_memory), bounded in effort: disjoint
+    interleaved views such as x[..., :8] and x[..., 8:] are told apart; a case too hard to decide
+    quickly counts as overlapping."""
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=100_000))
+    except np.exceptions.TooHardError if hasattr(np, "exceptions") else np.TooHardError:
+        return True
+
+
 def _out(out, shape, dtype, inputs):
-    """Validates a caller's out= array (nothing is written before all checks pass)."""
+    """Validates a caller's out= array (nothing is written before all checks pass). `inputs` maps
+    names to every array the kernels read while writing out (None entries are skipped)."""
     if out is None:
         return np.empty(shape, dtype)
     if not isinstance(out, np.ndarray):
-        raise TypeError(f"out: expected a NumPy array, got {type(out).__name__}")
+        raise _not_an_array("out", out)
     if out.dtype != dtype:
         raise TypeError(f"out: dtype {out.dtype} does not match the result dtype {np.dtype(dtype)}")
     if out.shape != tuple(shape):
@@ -189,9 +276,10 @@ def _out(out, shape, dtype, inputs):
         raise ValueError("out: data pointer and strides must be aligned to the item size")
     if out.size and any(0 in out.strides[i:i + 1] and out.shape[i] > 1 for i in range(out.ndim)):
         raise ValueError("out: must not have zero (broadcast) strides")
-    for name, a in inputs.items():
-        if a is not None and np.may_share_memory(out, a):
-            raise ValueError(f"out: must not overlap the input {name}")
+    if out.size:
+        for name, a in inputs.items():
+            if isinstance(a, np.ndarray) and a.size and _overlaps(out, a):
+                raise ValueError(f"out: must not overlap the input {name}")
     return out
 
 
@@ -201,7 +289,7 @@ def _qkv(q, k, v, layout):
     and the sizes (B, Hq, Hk, Nq, Nk, D, Dv)."""
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-    q = _array("q", q); k = _array("k", k); v = _array("v", v)
+    q = _data("q", q); k = _data("k", k); v = _data("v", v)
     _dtype_code("q", q)
     _same_dtype("q", q, k=k, v=v)
     rank = q.ndim
@@ -283,13 +371,13 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     q, k, v, (q4, k4, v4), (B, Hq, Hk, Nq, Nk, D, Dv) = _qkv(q, k, v, layout)
     dt = _DTYPES[q.dtype]
     rank = q.ndim
-    opt = _Options(D, causal, scale, window, softcap)
+    opt = _Options(D, causal, scale, window, softcap, Nq, Nk)
     alibi = _alibi(alibi_slopes, B, Hq)
     mask4, mask_kind = _mask(mask, (B, Hq, Nq, Nk))
     nt = _threads(num_threads)
 
     out_shape = q.shape[:-1] + (Dv,)
-    out = _out(out, out_shape, q.dtype, {"q": q, "k": k, "v": v})
+    out = _out(out, out_shape, q.dtype, {"q": q, "k": k, "v": v, "alibi_slopes": alibi, "mask": mask4})
     if layout == "bshd":
         o4 = out.transpose(0, 2, 1, 3)
     else:
@@ -315,7 +403,7 @@ def _cu_seqlens(name, cu, total):
         raise TypeError(f"{name}: dtype {cu.dtype} is not supported; expected int32 or int64")
     if cu.ndim != 1 or cu.shape[0] < 1:
         raise ValueError(f"{name}: expected a 1-D array of shape (B+1,), got shape {cu.shape}")
-    cu = np.ascontiguousarray(cu, dtype=np.int64)
+    cu = np.array(cu, dtype=np.int64, order="C")  # always a copy: out= may share the caller's memory
     if cu[0] != 0:
         raise ValueError(f"{name}: must start at 0, got {cu[0]}")
     if np.any(np.diff(cu) < 0):
@@ -339,7 +427,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     Other arguments as in :func:`flash_attention`. Returns ``out (total_q, Hq, Dv)`` or
     ``(out, lse)`` with lse float32 ``(Hq, total_q)``.
     """
-    q = _array("q", q); k = _array("k", k); v = _array("v", v)
+    q = _data("q", q); k = _data("k", k); v = _data("v", v)
     dt = _dtype_code("q", q)
     _same_dtype("q", q, k=k, v=v)
     for name, a in (("q", q), ("k", k), ("v", v)):
@@ -364,10 +452,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
             longest = int(np.diff(cu).max()) if B else 0
             if given < longest:
                 raise ValueError(f"{name}: {given} is shorter than the longest sequence ({longest})")
-    opt = _Options(D, causal, scale, window, softcap)
+    opt = _Options(D, causal, scale, window, softcap, Tq, Tk)
     alibi = _alibi(alibi_slopes, B, Hq)
     nt = _threads(num_threads)
-    out = _out(out, (Tq, Hq, Dv), q.dtype, {"q": q, "k": k, "v": v})
+    out = _out(out, (Tq, Hq, Dv), q.dtype, {"q": q, "k": k, "v": v, "alibi_slopes": alibi})
     lse = np.empty((Hq, Tq), np.float32) if return_lse else None
     view = lambda a: a.transpose(1, 0, 2)[None]  # noqa: E731 - (1, H, total, D)
     _core.run(view(q), view(k), view(v), out.transpose(1, 0, 2)[None],
@@ -402,7 +490,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     1 = never, n = n splits; results agree up to float rounding. Other arguments as in
     :func:`flash_attention`. Returns ``out (B, Nq, Hq, Dv)`` or ``(out, lse)`` with lse ``(B, Hq, Nq)``.
     """
-    q = _array("q", q); k_cache = _array("k_cache", k_cache); v_cache = _array("v_cache", v_cache)
+    q = _data("q", q); k_cache = _data("k_cache", k_cache); v_cache = _data("v_cache", v_cache)
     dt = _dtype_code("q", q)
     _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -412,21 +500,25 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     nb, rows, Hk, Dk = k_cache.shape
     if v_cache.shape[:2] != (nb, rows):
         raise ValueError(f"v_cache: shape {v_cache.shape} does not match k_cache's leading dims {(nb, rows)}")
-    shapes = {"q": q.shape, "k_cache": k_cache.shape, "v_cache": v_cache.shape, "k": k_cache.shape, "v": v_cache.shape}
+    shapes = {"q": q.shape, "k_cache": k_cache.shape, "v_cache": v_cache.shape}
     _heads(Hq, Hk, v_cache.shape[2], shapes, k_name="k_cache", v_name="v_cache")
     Dv = v_cache.shape[3]
-    _head_dims("q", D, Dk, Dv, shapes)
-    if not k_cache.flags.writeable and k is not None:
-        raise ValueError("k_cache: array is read-only but k/v are to be appended")
+    _head_dims("q", D, Dk, Dv, shapes, k_name="k_cache", v_name="v_cache")
+    if k is not None:  # both caches are written by the append: both must be writable
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not c.flags.writeable:
+                raise ValueError(f"{name}: array is read-only but k/v are to be appended")
 
     if block_table is not None:
         bt = _array("block_table", block_table)
-        if bt.dtype != np.int32:
-            raise TypeError(f"block_table: dtype {bt.dtype} is not supported; expected int32")
+        if bt.dtype not in (np.int32, np.int64):
+            raise TypeError(f"block_table: dtype {bt.dtype} is not supported; expected int32 or int64")
         if bt.ndim != 2 or bt.shape[0] != B:
             raise ValueError(f"block_table: expected shape ({B}, max_blocks), got {bt.shape}")
         if rows < 1:
             raise ValueError("k_cache: block size (dim 1) must be >= 1")
+        if nb > np.iinfo(np.int32).max:
+            raise ValueError(f"k_cache: {nb} blocks; a paged cache holds at most 2**31 - 1 blocks")
         capacity = bt.shape[1] * rows
     else:
         bt = None
@@ -439,7 +531,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     if (k is None) != (v is None):
         raise ValueError("k, v: give both new keys and new values, or neither")
     if k is not None:
-        k = _array("k", k); v = _array("v", v)
+        k = _data("k", k); v = _data("v", v)
         _same_dtype("q", q, k=k, v=v)
         if k.ndim != 4 or k.shape[0] != B or k.shape[2:] != (Hk, D):
             raise ValueError(f"k: expected shape ({B}, Nnew, {Hk}, {D}), got {k.shape}")
@@ -485,13 +577,18 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
         if vals.size and (vals.min() < 0 or vals.max() >= nb):
             raise ValueError(f"block_table: entries used by the sequences must be in [0, {nb}), "
                              f"got values in [{int(vals.min())}, {int(vals.max())}]")
+    if bt is not None:
+        # Always a private int32 copy (entries past a sequence's blocks are never read, so the
+        # wrap of an out-of-range int64 there is harmless): out= may share the caller's memory.
+        bt = bt.astype(np.int32, order="C", copy=True)
 
-    opt = _Options(D, causal, scale, window, softcap)
+    # Every remaining check and conversion happens before the append writes the first byte.
+    opt = _Options(D, causal, scale, window, softcap, Nq, capacity)
     alibi = _alibi(alibi_slopes, B, Hq)
     nt = _threads(num_threads)
-    splits = _int("num_splits", num_splits, 0)
+    splits = min(_int("num_splits", num_splits, 0), _MAX_SPLITS)
     out = _out(out, (B, Nq, Hq, Dv), q.dtype,
-               {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
+               {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi})
 
     if nnew:  # append in place (all checks passed)
         pos = seqlens[:, None] + np.arange(nnew)[None, :]                # (B, Nnew)
@@ -510,7 +607,6 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
               dtype=dt, batch=B, hq=Hq, hk=Hk, nq=Nq, nk=capacity,
               scale=opt.scale, softcap=opt.softcap, win_left=opt.left, win_right=opt.right,
               alibi=alibi, mask=None, mask_kind=0,
-              cu_q=None, cu_k=None, seqlen_k=total,
-              block_table=None if bt is None else np.ascontiguousarray(bt), block_size=rows,
+              cu_q=None, cu_k=None, seqlen_k=total, block_table=bt, block_size=rows,
               num_threads=nt, num_splits=splits)
     return (out, lse) if return_lse else out

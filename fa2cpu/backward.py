@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .attention import _Options, _alibi, _array, _qkv, _threads
+from .attention import _Options, _alibi, _data, _qkv, _threads
 
 __all__ = ["flash_attention_backward"]
 
@@ -204,7 +204,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         float32). dk/dv are summed over the query heads of each GQA group.
     """
     q, k, v, (q4, k4, v4), (B, Hq, Hk, Nq, Nk, D, Dv) = _qkv(q, k, v, layout)
-    dout = _array("dout", dout); out = _array("out", out); lse = _array("lse", lse)
+    dout = _data("dout", dout); out = _data("out", out); lse = _data("lse", lse)
     rank = q.ndim
     out_shape = q.shape[:-1] + (Dv,)
     _match("dout", dout, out_shape, q.dtype, "the forward output's (q's)")
@@ -214,7 +214,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         raise TypeError(f"lse: dtype {lse.dtype} is not supported; expected float32")
     if lse.shape != lse_shape:
         raise ValueError(f"lse: expected shape {lse_shape}, got {lse.shape}")
-    opt = _Options(D, causal, scale, window, softcap)
+    opt = _Options(D, causal, scale, window, softcap, Nq, Nk)
     alibi = _alibi(alibi_slopes, B, Hq)
     nt = _threads(num_threads)
 

@@ -1,17 +1,22 @@
-// The driver: plans work items, runs them in one OpenMP parallel region with per-thread scratch,
-// and merges split-KV partial results. Built with no -m flags; all SIMD work happens in the
-// family's run_item through the dispatch table.
+// The driver: checks the Params contract, plans work items, runs them on the thread pool
+// (pool.h) with per-thread scratch, and merges split-KV partial results. Built with no -m flags;
+// all SIMD work happens in the family's run_item through the dispatch table.
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstdint>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "../dispatch/registry.h"
 #include "../kernels/common/kernel.h"
+#include "pool.h"
 
 namespace fa2cpu {
 namespace {
@@ -145,16 +150,21 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
     const WorkItem& it = mg.base;
     const int64_t G = p.hq / p.hk, Dv = p.dv, nqi = it.i1 - it.i0, rows = (it.g1 - it.g0) * nqi;
     const DType dt = DType(p.dtype);
-    float acc[256];
+    float acc[kMaxHeadDim];
     for (int64_t r = 0; r < rows; ++r) {
+        // A NaN partial (the row's inputs hold a NaN) makes the row NaN: `x > mx` alone would skip
+        // it and return 0 / -inf.
         float mx = -INFINITY;
+        bool nan = false;
         for (int64_t s = 0; s < mg.splits; ++s) {
             const float x = parts.lse[mg.part0 + s * rows + r];
             if (x > mx) mx = x;
+            nan |= std::isnan(x);
         }
-        for (int64_t j = 0; j < Dv; ++j) acc[j] = 0.f;
-        float total = 0.f;
-        if (mx != -INFINITY) {
+        if (nan) mx = NAN;
+        for (int64_t j = 0; j < Dv; ++j) acc[j] = nan ? NAN : 0.f;
+        float total = nan ? NAN : 0.f;
+        if (mx != -INFINITY && !nan) {
             for (int64_t s = 0; s < mg.splits; ++s) {
                 const float w = std::exp2(parts.lse[mg.part0 + s * rows + r] - mx);
                 if (w == 0.f) continue;  // a split that saw no key (or underflowed)
@@ -172,11 +182,60 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
     }
 }
 
+
+// The invariants the Python layer promises, checked again here so that a future caller of the
+// C++ entry point cannot overrun a scratch buffer or divide by zero (std::invalid_argument becomes
+// a Python ValueError through the Cython `except +`).
+void check_params(const Params& p) {
+    auto fail = [](const std::string& what) { throw std::invalid_argument("fa2cpu::forward: " + what); };
+    if (p.dtype < 0 || p.dtype > 2) fail("dtype code must be 0, 1 or 2");
+    if (p.batch < 0 || p.hq < 0 || p.nq < 0 || p.nk < 0) fail("batch, hq, nq and nk must be >= 0");
+    if (p.hk < 1) fail("hk must be >= 1");
+    if (p.hq % p.hk) fail("hq must be a multiple of hk");
+    if (p.d < 1 || p.d > kMaxHeadDim || p.dv < 1 || p.dv > kMaxHeadDim)
+        fail("head dims d and dv must be in 1.." + std::to_string(kMaxHeadDim));
+    if (p.win_left < -1 || p.win_right < -1) fail("window bounds must be >= -1");
+    if (p.num_splits < 0) fail("num_splits must be >= 0");
+    if (p.mask_kind < 0 || p.mask_kind > 2 || (p.mask_kind != 0) != (p.mask != nullptr))
+        fail("mask_kind must be 0 without a mask, 1 or 2 with one");
+    if (p.block_table && p.block_size < 1) fail("block_size must be >= 1 with a block table");
+    if (!(p.scale == p.scale) || std::isinf(p.scale)) fail("scale must be finite");
+    if (!(p.softcap >= 0.f) || std::isinf(p.softcap)) fail("softcap must be finite and >= 0");
+    if (p.batch > 0 && p.hq > 0 && (!p.q || !p.k || !p.v || !p.out)) fail("q, k, v and out must be set");
+}
+
+struct RunCtx {
+    const Params* p;
+    const KernelTable* T;
+    const Plan* plan;
+    Partials parts;
+    int64_t scratch_floats;
+    std::atomic<int> failed{0};
+};
+
+void run_item_on_thread(int64_t i, void* c) {
+    RunCtx& x = *static_cast<RunCtx*>(c);
+    float* scratch = tls_scratch.get(x.scratch_floats);
+    if (!scratch) {
+        x.failed.store(1, std::memory_order_relaxed);
+        return;
+    }
+    x.T->run_item(*x.p, x.plan->items[size_t(i)], scratch, x.parts);
+}
+
+void merge_on_thread(int64_t g, void* c) {
+    RunCtx& x = *static_cast<RunCtx*>(c);
+    merge_group(*x.p, x.plan->merges[size_t(g)], x.parts);
+}
+
 }  // namespace
 
 int forward(const Params& p) {
+    check_params(p);
+    if (p.batch == 0 || p.hq == 0) return 0;  // nothing to compute (and hq / hk would be 0)
     const KernelTable& T = current_table();
-    const int threads = std::max(1, p.num_threads);
+    // More threads than CPUs never helps and thousands cannot be created: capped, never fatal.
+    const int threads = std::max(1, std::min(p.num_threads, max_useful_threads()));
     Plan plan = make_plan(p, T, threads);
     if (plan.items.empty()) return 0;
     std::vector<float> part_o, part_lse;
@@ -184,27 +243,16 @@ int forward(const Params& p) {
         part_o.resize(size_t(plan.part_rows * p.dv));
         part_lse.resize(size_t(plan.part_rows));
     }
-    const Partials parts{part_o.data(), part_lse.data()};
-    const int64_t scratch_floats = T.scratch_floats(p, plan.max_rows);
-    const int64_t nitems = int64_t(plan.items.size()), nmerge = int64_t(plan.merges.size());
-    const int nt = int(std::min<int64_t>(threads, nitems));
-    int failed = 0;
-#pragma omp parallel num_threads(nt)
-    {
-        float* scratch = tls_scratch.get(scratch_floats);
-        if (!scratch) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < nitems; ++i) T.run_item(p, plan.items[size_t(i)], scratch, parts);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t g = 0; g < nmerge; ++g) merge_group(p, plan.merges[size_t(g)], parts);
-        }
-    }
-    return failed;
+    RunCtx ctx;
+    ctx.p = &p;
+    ctx.T = &T;
+    ctx.plan = &plan;
+    ctx.parts = Partials{part_o.data(), part_lse.data()};
+    ctx.scratch_floats = T.scratch_floats(p, plan.max_rows);
+    parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
+    if (ctx.failed.load()) return 1;
+    parallel_for(int64_t(plan.merges.size()), threads, &merge_on_thread, &ctx);
+    return 0;
 }
 
 double peak_gflops(int isa, int dtype, int threads, double seconds) {

@@ -10,6 +10,9 @@ namespace fa2cpu {
 enum class Isa : int { amx = 0, avx512bf16 = 1, avx512 = 2, avx2 = 3, generic = 4, count = 5 };
 
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
+
+// Largest head dim (D and Dv): per-row stack buffers and scratch are sized by it.
+constexpr int64_t kMaxHeadDim = 256;
 enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };  // boolean: uint8, additive: float32
 
 // One call's description. All strides are in ELEMENTS of the array they belong to.
@@ -54,8 +57,11 @@ struct Params {
 // The entry points take and return plain ints (Isa / DType codes) so the Cython layer needs no
 // C++ enum support.
 //
-// forward: runs attention as described by p with the family currently selected. Nothing is
-// thrown from inside the parallel region; returns 0 on success, nonzero on allocation failure.
+// forward: runs attention as described by p with the family currently selected. Throws
+// std::invalid_argument (before anything is written) when p breaks the contract above (head dims
+// in 1..kMaxHeadDim, hk >= 1, hq % hk == 0, ...); nothing is thrown from inside the parallel work.
+// Returns 0 on success, nonzero on allocation failure. num_threads is capped at the CPUs the
+// process may use.
 int forward(const Params& p);
 
 // Dispatch control (registry.cpp). available_isas fills `out` with the usable families, best first,

@@ -78,11 +78,22 @@ inline int64_t k_row_offset(const Params& p, int64_t b, int64_t pos, int64_t sb,
     return p.cu_k ? (p.cu_k[b] + pos) * sn : b * sb + pos * sn;
 }
 
-// Visible keys of query row i (bottom-right aligned): [lo, hi] clipped to [0, nk-1]; lo > hi means none.
+// Saturating int64 add/sub: window bounds may be as large as an int64 allows.
+inline int64_t sat_add(int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_add_overflow(a, b, &r) ? (b > 0 ? INT64_MAX : INT64_MIN) : r;
+}
+inline int64_t sat_sub(int64_t a, int64_t b) {
+    int64_t r;
+    return __builtin_sub_overflow(a, b, &r) ? (b < 0 ? INT64_MAX : INT64_MIN) : r;
+}
+
+// Visible keys of query row i (bottom-right aligned): [lo, hi] clipped to [0, nk-1]; lo > hi means
+// none. Integer arithmetic end to end (positions beyond 2^24 stay exact), saturating.
 inline void visible_range(const Params& p, int64_t nq, int64_t nk, int64_t i, int64_t* lo, int64_t* hi) {
-    const int64_t diag = i + nk - nq;
-    int64_t a = p.win_left < 0 ? 0 : diag - p.win_left;
-    int64_t z = p.win_right < 0 ? nk - 1 : diag + p.win_right;
+    const int64_t diag = nk + (i - nq);  // 0 <= i < nq: no overflow
+    const int64_t a = p.win_left < 0 ? 0 : sat_sub(diag, p.win_left);
+    const int64_t z = p.win_right < 0 ? nk - 1 : sat_add(diag, p.win_right);
     *lo = a < 0 ? 0 : a;
     *hi = z > nk - 1 ? nk - 1 : z;
 }

@@ -47,8 +47,9 @@ struct TileLoop {
         L.vp = take(G::v_floats(p.dv));
         L.pb = take(G::p_floats());
         L.s = take(BC * RB);
-        L.m = take(L.M); L.l = take(L.M); L.lo = take(L.M); L.hi = take(L.M);
-        L.rel = take(L.M); L.slope = take(L.M);
+        L.m = take(L.M); L.l = take(L.M);
+        L.lo = take(2 * L.M); L.hi = take(2 * L.M); L.rel = take(2 * L.M);  // int64 key positions
+        L.slope = take(L.M);
         L.moff = take(2 * L.M);   // int64 mask row offsets
         L.keep = take(BC * RB);   // mask values of one row block (float, gathered)
         L.kvh = take(L.M);        // int32 kv head of each row, relative to the item's first
@@ -68,8 +69,12 @@ struct TileLoop {
         float* kp = scratch + L.kp;  float* vp = scratch + L.vp;  float* s = scratch + L.s;
         float* pbuf = scratch + L.pb;
         float* mrow = scratch + L.m; float* lrow = scratch + L.l;
-        float* lo_f = scratch + L.lo; float* hi_f = scratch + L.hi;
-        float* rel = scratch + L.rel; float* slope = scratch + L.slope;
+        // Positions are int64 (exact beyond 2^24 keys); the epilogue turns them into small floats
+        // relative to the current tile.
+        int64_t* lo_i = reinterpret_cast<int64_t*>(scratch + L.lo);
+        int64_t* hi_i = reinterpret_cast<int64_t*>(scratch + L.hi);
+        int64_t* rel = reinterpret_cast<int64_t*>(scratch + L.rel);
+        float* slope = scratch + L.slope;
         int64_t* moff = reinterpret_cast<int64_t*>(scratch + L.moff);
         float* keep = scratch + L.keep;
         int32_t* kvh = reinterpret_cast<int32_t*>(scratch + L.kvh);
@@ -88,13 +93,13 @@ struct TileLoop {
         for (int64_t r = 0; r < M; ++r) {
             if (r >= R) {  // padding lanes: computed, never stored, never decide a skip
                 G::zero_q_row(qT, M, r, D);
-                lo_f[r] = 0.f; hi_f[r] = float(nk); rel[r] = 0.f; slope[r] = 0.f; moff[r] = 0;
+                lo_i[r] = 0; hi_i[r] = nk; rel[r] = 0; slope[r] = 0.f; moff[r] = 0;
                 kvh[r] = R > 0 ? kvh[R - 1] : 0;  // padding rows read the last row's head
                 continue;
             }
             const int64_t h = it.hkv * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
             kvh[r] = int32_t(h / group - it.hkv);
-            float tmp[256];
+            float tmp[kMaxHeadDim];
             load_row_scalar(tmp, elem_ptr(p.q, q_row_offset(p, b, i, p.q_sb, p.q_sn) + h * p.q_sh, dt), D, p.q_sd, dt);
             G::pack_q_row(qT, M, r, tmp, D, G::kPostScale ? 1.f : qscale);
             int64_t lo, hi;
@@ -102,8 +107,8 @@ struct TileLoop {
             if (lo < it.kb) lo = it.kb;
             if (hi > it.ke - 1) hi = it.ke - 1;
             if (lo <= hi) { lo_min = lo < lo_min ? lo : lo_min; hi_max = hi > hi_max ? hi : hi_max; }
-            lo_f[r] = float(lo); hi_f[r] = float(hi);
-            rel[r] = float(i + nk - nq);
+            lo_i[r] = lo; hi_i[r] = hi;
+            rel[r] = nk + (i - nq);
             slope[r] = p.alibi ? -p.alibi[b * p.al_sb + h * p.al_sh] * kLog2e : 0.f;
             moff[r] = p.mask ? b * p.m_sb + h * p.m_sh + i * p.m_sq : 0;
         }
@@ -122,21 +127,21 @@ struct TileLoop {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                 const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
                 // Skip blocks with no visible key in this tile; find whether masking is needed.
-                float blo = INFINITY, bhi = -INFINITY, blo_max = -INFINITY, bhi_min = INFINITY;
+                int64_t blo = INT64_MAX, bhi = INT64_MIN, blo_max = INT64_MIN, bhi_min = INT64_MAX;
                 for (int64_t r = r0; r < rend; ++r) {
-                    if (lo_f[r] > hi_f[r]) { blo_max = INFINITY; continue; }  // row sees nothing
-                    blo = lo_f[r] < blo ? lo_f[r] : blo;  bhi = hi_f[r] > bhi ? hi_f[r] : bhi;
-                    blo_max = lo_f[r] > blo_max ? lo_f[r] : blo_max;
-                    bhi_min = hi_f[r] < bhi_min ? hi_f[r] : bhi_min;
+                    if (lo_i[r] > hi_i[r]) { blo_max = INT64_MAX; continue; }  // row sees nothing
+                    blo = lo_i[r] < blo ? lo_i[r] : blo;  bhi = hi_i[r] > bhi ? hi_i[r] : bhi;
+                    blo_max = lo_i[r] > blo_max ? lo_i[r] : blo_max;
+                    bhi_min = hi_i[r] < bhi_min ? hi_i[r] : bhi_min;
                 }
-                if (blo > float(c0 + nc - 1) || bhi < float(c0)) continue;
+                if (blo > c0 + nc - 1 || bhi < c0) continue;
                 // Keys past every row's last visible key (the causal diagonal) are not computed.
-                const int64_t ncb = int64_t(bhi) - c0 + 1 < nc ? int64_t(bhi) - c0 + 1 : nc;
-                const bool range_mask = blo_max > float(c0) || bhi_min < float(c0 + ncb - 1);
+                const int64_t ncb = bhi - c0 + 1 < nc ? bhi - c0 + 1 : nc;
+                const bool range_mask = blo_max > c0 || bhi_min < c0 + ncb - 1;
 
                 const RowHeads heads{kvh + r0, p.k_sh, p.v_sh};
                 G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, ncb, s, qk_scale, heads);
-                const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, sm_scale, lo_f, hi_f,
+                const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, sm_scale, lo_i, hi_i,
                                              rel, slope, moff, keep, s);
                 softmax_update(nv, ncb, s, mrow + r0, lrow + r0, oT, r0, M, Dv, biased ? 1.f : sm_scale, pbuf);
                 G::pv(nv, int(rend - r0), s, ncb, vt, ldv, Dv, oT, r0, M, pbuf, heads);
@@ -148,21 +153,30 @@ struct TileLoop {
     // Scores -> log2-domain logits with every bias and mask applied (only what is enabled), the
     // pending scale first. Returns false (and touches nothing) when nothing is enabled.
     static bool epilogue(const Params& p, int nv, int64_t r0, int64_t c0, int64_t nc, bool range_mask,
-                         bool use_softcap, float cap_l2, float scale, const float* lo_f, const float* hi_f,
-                         const float* rel, const float* slope, const int64_t* moff, float* keep, float* s) {
+                         bool use_softcap, float cap_l2, float scale, const int64_t* lo_i, const int64_t* hi_i,
+                         const int64_t* rel, const float* slope, const int64_t* moff, float* keep, float* s) {
         const bool alibi = p.alibi != nullptr;
         const MaskKind mk = p.mask ? MaskKind(p.mask_kind) : MaskKind::none;
         if (!use_softcap && !alibi && mk == MaskKind::none && !range_mask) return false;
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
         for (int v = 0; v < nv; ++v) {
             const int64_t rv = r0 + v * W;
-            const vec lo = V::load(lo_f + rv), hi = V::load(hi_f + rv);
-            const vec rl = V::load(rel + rv), sl = V::load(slope + rv);
+            // Row bounds and diagonals relative to the tile's first key c0: lo/hi clamped to
+            // [-1, nc] and key offsets c < nc <= BC are exact in float32 whatever the position.
+            alignas(64) float lo_t[W], hi_t[W], rl_t[W];
+            for (int t = 0; t < W; ++t) {
+                const int64_t a = lo_i[rv + t] - c0, z = hi_i[rv + t] - c0;
+                lo_t[t] = float(a < -1 ? -1 : a > nc ? nc : a);
+                hi_t[t] = float(z < -1 ? -1 : z > nc ? nc : z);
+                rl_t[t] = float(rel[rv + t] - c0);
+            }
+            const vec lo = V::load(lo_t), hi = V::load(hi_t);
+            const vec rl = V::load(rl_t), sl = V::load(slope + rv);
             for (int64_t c = 0; c < nc; ++c) {
                 float* sp = s + c * RB + v * W;
                 vec x = V::load(sp);
                 if (scale != 1.f) x = V::mul(x, sc);
-                const float kc = float(c0 + c);
+                const float kc = float(c);
                 if (use_softcap) x = V::mul(V::set1(cap_l2), V::tanh(x));
                 if (alibi) x = V::fma(sl, V::abs(V::sub(rl, V::set1(kc))), x);
                 if (mk != MaskKind::none) {

@@ -1,0 +1,34 @@
+// The driver's thread pool: a parallel-for over work items that stays fast on a machine whose
+// cores are shared, and that keeps working in a process forked after use.
+//
+// Why not an OpenMP parallel region: an OpenMP region ends in a barrier that waits for EVERY thread
+// of the team, including one the OS has not scheduled yet because another process holds its core;
+// a 0.3 ms call then takes one scheduler slice (~4-8 ms). libgomp's thread pool is also not
+// inherited by fork(): a child process that calls a parallel region after its parent used one
+// hangs forever. Here:
+//  - the calling thread always works; helpers join while unclaimed items remain, claiming items
+//    one at a time (dynamic schedule, longest first as the driver ordered them);
+//  - the caller waits only for helpers that attached to its call (they are running items); a
+//    helper that wakes after the last item was claimed finds nothing and goes back to waiting;
+//  - idle helpers spin for a bounded time (kSpinMicros) for the next call, then sleep on a
+//    condition variable, so back-to-back calls (decode) find them awake and an idle process
+//    leaves the cores alone;
+//  - a child of fork() starts with a fresh, empty pool (pthread_atfork), created on its first call;
+//  - a helper that cannot be created (thread limit, address space) is simply not used.
+#pragma once
+#include <cstdint>
+
+namespace fa2cpu {
+
+// Runs body(i, ctx) for every i in [0, n) on the calling thread plus up to `threads - 1` helpers.
+// body must not throw. Concurrent calls from several threads share the helpers.
+using ItemFn = void (*)(int64_t i, void* ctx);
+void parallel_for(int64_t n, int threads, ItemFn body, void* ctx);
+
+// Helper threads currently alive in this process (for tests and show_config).
+int pool_threads();
+
+// Cap applied to any requested thread count: the CPUs this process may run on (at least 1).
+int max_useful_threads();
+
+}  // namespace fa2cpu
