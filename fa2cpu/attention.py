@@ -474,7 +474,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                                  block_table=None, causal=False, scale=None, window=(-1, -1),
                                  softcap=None, alibi_slopes=None, return_lse=False,
-                                 num_splits=0, num_threads=None, out=None):
+                                 num_splits=0, num_threads=None, out=None, layout="bshd"):
     """Attention of new queries against a KV cache (decode / chunked prefill), flash-attn layout.
 
     q ``(B, Nq, Hq, D)``. Contiguous cache: ``k_cache (B, Ncap, Hk, D)``, ``v_cache (B, Ncap, Hk, Dv)``.
@@ -489,7 +489,29 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     ``num_splits``: 0 = split the key axis automatically for parallel decode (flash-decoding),
     1 = never, n = n splits; results agree up to float rounding. Other arguments as in
     :func:`flash_attention`. Returns ``out (B, Nq, Hq, Dv)`` or ``(out, lse)`` with lse ``(B, Hq, Nq)``.
+
+    ``layout="bhsd"`` takes every 4-D argument (q, caches, k, v, out) and returns out in PyTorch's
+    head-major order instead: q ``(B, Hq, Nq, D)``, ``k_cache (B, Hk, Ncap, D)`` (paged:
+    ``(num_blocks, Hk, block_size, D)``), ``k (B, Hk, Nnew, D)``, out ``(B, Hq, Nq, Dv)``; read and
+    written in place all the same (only strides differ). lse is ``(B, Hq, Nq)`` in both layouts.
     """
+    if layout == "bhsd":
+        t = lambda a: a.transpose(0, 2, 1, 3) if isinstance(a, np.ndarray) and a.ndim == 4 else a  # noqa: E731
+        try:
+            res = _kvcache_bshd(t(q), t(k_cache), t(v_cache), t(k), t(v), cache_seqlens, block_table, causal, scale,
+                                window, softcap, alibi_slopes, return_lse, num_splits, num_threads, t(out), "bhsd")
+        except ValueError as e:
+            raise ValueError(f"{e} [shapes shown in (B, N, H, D) order; layout='bhsd' was given]") from None
+        o = out if out is not None else t(res[0] if return_lse else res)  # the caller's own out= object
+        return (o, res[1]) if return_lse else o
+    if layout != "bshd":
+        raise ValueError(f"layout: expected 'bshd' (flash-attn order) or 'bhsd' (PyTorch order), got {layout!r}")
+    return _kvcache_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
+                         alibi_slopes, return_lse, num_splits, num_threads, out, "bshd")
+
+
+def _kvcache_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
+                  alibi_slopes, return_lse, num_splits, num_threads, out, layout):
     q = _data("q", q); k_cache = _data("k_cache", k_cache); v_cache = _data("v_cache", v_cache)
     dt = _dtype_code("q", q)
     _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
@@ -501,7 +523,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     if v_cache.shape[:2] != (nb, rows):
         raise ValueError(f"v_cache: shape {v_cache.shape} does not match k_cache's leading dims {(nb, rows)}")
     shapes = {"q": q.shape, "k_cache": k_cache.shape, "v_cache": v_cache.shape}
-    _heads(Hq, Hk, v_cache.shape[2], shapes, k_name="k_cache", v_name="v_cache")
+    try:
+        _heads(Hq, Hk, v_cache.shape[2], shapes, k_name="k_cache", v_name="v_cache")
+    except ValueError as e:
+        if layout == "bshd":
+            raise ValueError(f"{e}. The default layout='bshd' expects caches as (B, Ncap, Hk, D); pass "
+                             f"layout='bhsd' for PyTorch-order (B, Hk, Ncap, D) caches and queries") from None
+        raise
     Dv = v_cache.shape[3]
     _head_dims("q", D, Dk, Dv, shapes, k_name="k_cache", v_name="v_cache")
     if k is not None:  # both caches are written by the append: both must be writable

@@ -379,3 +379,39 @@ def test_concurrent_decode_threads(isa, paged):
                                             block_table=st["table"])
         assert_bytes_equal(st["kc"], kc, "k_cache")
         assert_bytes_equal(st["vc"], vc, "v_cache")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_pytorch_order_cache_with_layout_bhsd(isa, rng, paged):
+    """layout='bhsd': q (B, Hq, Nq, D), caches (B|blocks, Hk, rows, D), k/v (B, Hk, Nnew, D), out
+    (B, Hq, Nq, Dv): the same numbers as the flash-attn order, appended in place."""
+    B, Nq, Hq, Hk, D, Dv = 2, 3, 4, 2, 16, 8
+    q = rand(rng, (B, Nq, Hq, D))
+    if paged:
+        kc, vc = rand(rng, (5, 8, Hk, D)), rand(rng, (5, 8, Hk, Dv))
+        extra = dict(block_table=np.array([[4, 0], [2, 1]], np.int32))
+    else:
+        kc, vc = rand(rng, (B, 16, Hk, D)), rand(rng, (B, 16, Hk, Dv))
+        extra = {}
+    kn, vn = rand(rng, (B, 2, Hk, D)), rand(rng, (B, 2, Hk, Dv))
+    T = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3))  # noqa: E731
+    kc_t, vc_t = T(kc), T(vc)
+    want, want_lse = fa2cpu.flash_attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=[5, 9], causal=True,
+                                                         return_lse=True, **extra)
+    out = np.empty((B, Hq, Nq, Dv), np.float32)
+    got, lse = fa2cpu.flash_attention_with_kvcache(T(q), kc_t, vc_t, T(kn), T(vn), cache_seqlens=[5, 9], causal=True,
+                                                   return_lse=True, layout="bhsd", out=out, **extra)
+    assert got is out
+    np.testing.assert_array_equal(got, T(want))
+    np.testing.assert_array_equal(lse, want_lse)
+    np.testing.assert_array_equal(kc_t, T(kc))
+    np.testing.assert_array_equal(vc_t, T(vc))
+
+
+def test_pytorch_order_cache_without_layout_mentions_layout():
+    rng = np.random.default_rng(0)
+    q = rand(rng, (1, 1, 4, 8))
+    with pytest.raises(ValueError, match="layout='bhsd'"):
+        fa2cpu.flash_attention_with_kvcache(q, rand(rng, (1, 2, 64, 8)), rand(rng, (1, 2, 64, 8)))
+    with pytest.raises(ValueError, match=arg("layout")):
+        fa2cpu.flash_attention_with_kvcache(q, rand(rng, (1, 64, 2, 8)), rand(rng, (1, 64, 2, 8)), layout="bnhd")

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -26,19 +27,30 @@ namespace {
 
 // An idle helper spins this long for the next call before it sleeps: decode issues calls every
 // ~50-300 us (two per layer per token), and waking a sleeping thread costs ~10-50 us. Bounded, so
-// a process that stops calling leaves the cores to others after 0.2 ms.
-constexpr auto kIdleSpin = std::chrono::microseconds(200);
-// A caller whose own items are done spins this long for helpers still finishing theirs, then sleeps.
+// a process that stops calling leaves the cores to others soon after. FA2CPU_SPIN_US overrides
+// it (read once, at load; 0 = sleep at once).
+std::chrono::microseconds idle_spin_from_env() {
+    const char* s = std::getenv("FA2CPU_SPIN_US");
+    if (!s || !*s) return std::chrono::microseconds(200);
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    return std::chrono::microseconds(end && *end == 0 && v >= 0 ? std::min(v, 10000000LL) : 200);
+}
+const std::chrono::microseconds kIdleSpin = idle_spin_from_env();
+// A caller whose own items are done spins this long for helpers still finishing theirs, then
+// yields its core between checks (a descheduled helper then costs the caller nothing but latency).
 constexpr auto kWaitSpin = std::chrono::microseconds(100);
 constexpr int kMaxHelpers = 1023;
+// Calls that can use helpers at the same time (one slot each); a call that finds no free slot
+// runs on its own thread.
+constexpr int kSlots = 64;
 
 struct Job {
     ItemFn body;
     void* ctx;
     int64_t n;
+    int max_helpers;
     std::atomic<int64_t> next{0};
-    std::atomic<int> running{0};  // helpers attached; written under Pool::mu, read lock-free too
-    int max_helpers = 0;
 };
 
 void run_items(Job& j) {
@@ -47,52 +59,66 @@ void run_items(Job& j) {
         j.body(i, j.ctx);
 }
 
-struct Pool {
-    std::mutex mu;
-    std::condition_variable wake;      // helpers sleep here; signalled when a call is published
-    std::condition_variable detached;  // callers sleep here for their attached helpers
-    std::vector<Job*> jobs;            // calls that may still have unclaimed items (under mu)
-    std::atomic<uint64_t> epoch{0};    // bumped under mu whenever a call is published
-    std::atomic<int> threads{0};       // helpers created
-    bool cannot_grow = false;          // thread creation failed once: stop trying (under mu)
+// The hot path takes no lock. A call owns a slot while it runs; helpers find jobs by scanning the
+// slots. Lifetime protocol (all seq_cst): a helper first increments the slot's `users`, then
+// reads `job` (and dereferences only that fresh pointer); the caller clears `job`, then waits for
+// `users` to drop to 0 before it returns (its Job lives on its stack) and frees the slot. Either a
+// helper's increment is seen by the caller's wait, or the helper reads a cleared (or newer) job.
+struct Slot {
+    std::atomic<bool> owned{false};
+    std::atomic<Job*> job{nullptr};
+    std::atomic<int> users{0};
+    char pad[64 - sizeof(std::atomic<bool>) - sizeof(std::atomic<Job*>) - sizeof(std::atomic<int>)];
+};
 
-    Job* attach_locked() {
-        for (Job* j : jobs) {
-            if (j->running.load(std::memory_order_relaxed) < j->max_helpers &&
-                j->next.load(std::memory_order_relaxed) < j->n) {
-                j->running.fetch_add(1, std::memory_order_relaxed);
-                return j;
+struct Pool {
+    Slot slots[kSlots];
+    std::atomic<uint32_t> epoch{0};  // bumped whenever a call publishes a job
+    std::atomic<int> threads{0};     // helpers created
+    std::atomic<int> sleepers{0};    // helpers blocked on `wake`
+    std::mutex mu;                   // only for sleeping helpers and for creating helpers
+    std::condition_variable wake;
+    bool cannot_grow = false;        // thread creation failed once: stop trying (under mu)
+
+    // One pass over the slots; true if some items were run.
+    bool help_once() {
+        bool worked = false;
+        for (Slot& sl : slots) {
+            if (!sl.job.load(std::memory_order_relaxed)) continue;  // cheap filter, no dereference
+            const int before = sl.users.fetch_add(1);
+            Job* j = sl.job.load();
+            if (j && before < j->max_helpers && j->next.load(std::memory_order_relaxed) < j->n) {
+                run_items(*j);
+                worked = true;
             }
+            sl.users.fetch_sub(1);
         }
-        return nullptr;
+        return worked;
     }
 
     void helper_main() {
-        std::unique_lock<std::mutex> lk(mu);
         for (;;) {
-            if (Job* j = attach_locked()) {
-                lk.unlock();
-                run_items(*j);
-                lk.lock();
-                if (j->running.fetch_sub(1, std::memory_order_release) == 1) detached.notify_all();
-                continue;
-            }
-            const uint64_t seen = epoch.load(std::memory_order_relaxed);
-            lk.unlock();
+            const uint32_t seen = epoch.load();
+            if (help_once()) continue;
             bool more = false;
             const auto t0 = std::chrono::steady_clock::now();
             while (!more) {
                 for (int k = 0; k < 32; ++k) cpu_relax();
-                if (epoch.load(std::memory_order_acquire) != seen) more = true;
+                if (epoch.load(std::memory_order_relaxed) != seen) more = true;
                 else if (std::chrono::steady_clock::now() - t0 > kIdleSpin) break;
             }
-            lk.lock();
-            if (!more) wake.wait(lk, [&] { return epoch.load(std::memory_order_relaxed) != seen; });
+            if (more) continue;
+            std::unique_lock<std::mutex> lk(mu);
+            sleepers.fetch_add(1);
+            wake.wait(lk, [&] { return epoch.load() != seen; });
+            sleepers.fetch_sub(1);
         }
     }
 
-    // Under mu: make sure `want` helpers exist (fewer if the OS refuses to create more).
-    void grow_locked(int want) {
+    // Makes sure `want` helpers exist (fewer if the OS refuses to create more).
+    void grow(int want) {
+        if (threads.load(std::memory_order_relaxed) >= want) return;
+        std::lock_guard<std::mutex> lk(mu);
         while (!cannot_grow && threads.load(std::memory_order_relaxed) < want) {
             try {
                 std::thread(&Pool::helper_main, this).detach();
@@ -143,34 +169,37 @@ int pool_threads() {
 void parallel_for(int64_t n, int threads, ItemFn body, void* ctx) {
     if (n <= 0) return;
     const int helpers = int(std::min<int64_t>({int64_t(threads) - 1, n - 1, int64_t(kMaxHelpers)}));
-    if (helpers <= 0) {
+    Pool* P = helpers > 0 ? &pool() : nullptr;
+    Slot* slot = nullptr;
+    if (P) {
+        for (Slot& sl : P->slots) {
+            bool expected = false;
+            if (sl.owned.compare_exchange_strong(expected, true)) { slot = &sl; break; }
+        }
+    }
+    if (!slot) {  // one thread wanted, or every slot taken by concurrent calls
         for (int64_t i = 0; i < n; ++i) body(i, ctx);
         return;
     }
-    Pool& P = pool();
-    Job job;
-    job.body = body;
-    job.ctx = ctx;
-    job.n = n;
-    job.max_helpers = helpers;
-    {
-        std::lock_guard<std::mutex> lk(P.mu);
-        P.grow_locked(helpers);
-        P.jobs.push_back(&job);
-        P.epoch.fetch_add(1, std::memory_order_release);
+    P->grow(helpers);
+    Job job{body, ctx, n, helpers};
+    slot->job.store(&job);
+    P->epoch.fetch_add(1);
+    if (P->sleepers.load() > 0) {
+        { std::lock_guard<std::mutex> lk(P->mu); }  // a helper between its check and its wait gets the signal
+        P->wake.notify_all();
     }
-    P.wake.notify_all();
     run_items(job);
-    std::unique_lock<std::mutex> lk(P.mu);
-    P.jobs.erase(std::find(P.jobs.begin(), P.jobs.end(), &job));  // no helper attaches from now on
-    if (job.running.load(std::memory_order_relaxed) > 0) {
-        lk.unlock();
-        const auto t0 = std::chrono::steady_clock::now();
-        while (job.running.load(std::memory_order_acquire) > 0 && std::chrono::steady_clock::now() - t0 < kWaitSpin)
+    slot->job.store(nullptr);  // no helper attaches from now on
+    const auto t0 = std::chrono::steady_clock::now();
+    while (slot->users.load() > 0) {
+        if (std::chrono::steady_clock::now() - t0 < kWaitSpin) {
             for (int k = 0; k < 32; ++k) cpu_relax();
-        lk.lock();
-        P.detached.wait(lk, [&] { return job.running.load(std::memory_order_relaxed) == 0; });
+        } else {
+            std::this_thread::yield();
+        }
     }
+    slot->owned.store(false);
 }
 
 }  // namespace fa2cpu
