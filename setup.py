@@ -3,52 +3,147 @@
 Each kernel family is compiled with its own target flags (never -march=native): one build runs on
 any x86-64 and picks the best family at run time. The dispatcher and driver are built with the
 baseline flags only. A non-x86 build compiles the generic family alone.
+
+The build checks what it needs before compiling: a C++17 compiler and OpenMP (a clear error names
+the missing piece), and each family's -m flags (a family the compiler cannot build is left out,
+with one printed line). `FA2CPU_DISABLE=amx,avx512bf16` leaves families out on purpose. Files are
+compiled in parallel (`FA2CPU_BUILD_JOBS`, default: the CPUs available); `FA2CPU_EXTRA_CFLAGS`
+adds flags to every file (e.g. sanitizers).
 """
 import os
 import platform
+import shutil
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+try:  # setuptools' vendored distutils
+    from distutils.errors import CompileError, LinkError
+except ImportError:  # pragma: no cover
+    from setuptools._distutils.errors import CompileError, LinkError
+
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 COMMON = ["-std=c++17", "-O3", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden"]
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 
-# family source -> extra flags; only these files get ISA flags.
-FAMILIES = [("csrc/kernels/generic.cpp", [])]
-if X86:
-    FAMILIES += [
-        ("csrc/kernels/avx2.cpp", ["-mavx2", "-mfma", "-mf16c"]),
-        ("csrc/kernels/avx512.cpp", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
-        ("csrc/kernels/avx512bf16.cpp",
-         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"]),
-        ("csrc/kernels/amx.cpp",
-         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
-          "-mfma", "-mf16c"]),
-    ]
-FAMILIES = [(src, flags) for src, flags in FAMILIES if os.path.exists(src)]
-DEFINES = []
-if X86:
-    DEFINES.append(("FA2CPU_X86", "1"))
-    if any(src.endswith("avx512bf16.cpp") for src, _ in FAMILIES):
-        DEFINES.append(("FA2CPU_HAVE_AVX512BF16", "1"))
-    if any(src.endswith("amx.cpp") for src, _ in FAMILIES):
-        DEFINES.append(("FA2CPU_HAVE_AMX", "1"))
+# family -> (source, extra flags, macro telling registry.cpp the family is built). Only these
+# files get ISA flags. The generic family is always built (the only one off x86).
+FAMILIES = {"generic": ("csrc/kernels/generic.cpp", [], "FA2CPU_HAVE_GENERIC")}
+if X86 and not os.environ.get("FA2CPU_FORCE_GENERIC"):
+    FAMILIES.update({
+        "avx2": ("csrc/kernels/avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], "FA2CPU_HAVE_AVX2"),
+        "avx512": ("csrc/kernels/avx512.cpp", AVX512, "FA2CPU_HAVE_AVX512"),
+        "avx512bf16": ("csrc/kernels/avx512bf16.cpp", AVX512 + ["-mavx512bf16"], "FA2CPU_HAVE_AVX512BF16"),
+        "amx": ("csrc/kernels/amx.cpp", AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"], "FA2CPU_HAVE_AMX"),
+    })
 INCLUDES = ["csrc/include", "csrc", np.get_include()]
 
 
+def _jobs():
+    try:
+        n = int(os.environ.get("FA2CPU_BUILD_JOBS", "0"))
+    except ValueError:
+        n = 0
+    if n <= 0:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, n)
+
+
+def _parallel_compile(compiler, jobs):
+    """Replaces compiler.compile with one that compiles the files of a call in parallel."""
+    serial = compiler.compile
+
+    def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                extra_postargs=None, depends=None):
+        if len(sources) < 2 or jobs < 2:
+            return serial(sources, output_dir, macros, include_dirs, debug, extra_preargs, extra_postargs, depends)
+        macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+            output_dir, macros, include_dirs, sources, depends, extra_postargs)
+        cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+        def one(obj):
+            src, ext = build[obj]
+            compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+        with ThreadPoolExecutor(jobs) as ex:
+            list(ex.map(one, objects))
+        return objects
+
+    compiler.compile = compile
+
+
 class BuildExt(build_ext):
-    """Compiles each family file with its own flags, then links them into the extension."""
+    """Checks the toolchain and each family's flags, compiles the family files (each with its own
+    flags) and the extension's own files in parallel, then links them into the extension."""
+
+    def _try(self, code, flags, link=False):
+        tmp = tempfile.mkdtemp(prefix="fa2cpu-probe-")
+        try:
+            src = os.path.join(tmp, "probe.cpp")
+            with open(src, "w") as f:
+                f.write(code)
+            objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=flags)
+            if link:
+                self.compiler.link_executable(objs, "probe", output_dir=tmp, extra_postargs=flags)
+            return True
+        except (CompileError, LinkError):
+            return False
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _check_toolchain(self):
+        if not self._try("#include <optional>\nint main() { std::optional<int> x = 1; return *x - 1; }\n",
+                         ["-std=c++17"], link=True):
+            sys.exit("fa2cpu: building needs a C++17 compiler (g++ >= 8 or clang++ >= 7); the compiler "
+                     f"{self.compiler.compiler_so[0]!r} could not build a C++17 program. Install one (e.g. "
+                     "`apt install g++`) or point CXX/CC at it.")
+        if not self._try("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n",
+                         ["-std=c++17", "-fopenmp"], link=True):
+            sys.exit("fa2cpu: building needs OpenMP (the compiler flag -fopenmp and omp.h / libgomp or "
+                     f"libomp); {self.compiler.compiler_so[0]!r} could not build an OpenMP program. With gcc "
+                     "install libgomp (part of gcc); with clang install libomp-dev (Debian/Ubuntu) or "
+                     "`brew install libomp` (macOS).")
+
+    def _families(self):
+        disabled = {x.strip() for x in os.environ.get("FA2CPU_DISABLE", "").split(",") if x.strip()}
+        unknown = disabled - {"amx", "avx512bf16", "avx512", "avx2", "generic"}
+        if unknown:
+            sys.exit(f"fa2cpu: FA2CPU_DISABLE names unknown families {sorted(unknown)}")
+        if "generic" in disabled:
+            sys.exit("fa2cpu: the generic family cannot be disabled (it is the fallback on every CPU)")
+        chosen = {}
+        for name, (src, flags, macro) in FAMILIES.items():
+            if name in disabled:
+                print(f"fa2cpu: leaving out family {name!r} (FA2CPU_DISABLE)")
+            elif flags and not self._try("int main() { return 0; }\n", COMMON + flags):
+                print(f"fa2cpu: leaving out family {name!r}: the compiler rejects {' '.join(flags)}")
+            else:
+                chosen[name] = (src, flags, macro)
+        return chosen
 
     def build_extension(self, ext):
+        self._check_toolchain()
+        jobs = _jobs()
+        _parallel_compile(self.compiler, jobs)
         extra_debug = os.environ.get("FA2CPU_EXTRA_CFLAGS", "").split()
-        objects = []
-        for src, flags in FAMILIES:
-            objects += self.compiler.compile(
-                [src], output_dir=self.build_temp, include_dirs=INCLUDES, macros=DEFINES,
-                extra_postargs=COMMON + flags + extra_debug)
+        families = self._families()
+        macros = [(macro, "1") for _, _, macro in families.values()]
+        if X86:
+            macros.append(("FA2CPU_X86", "1"))
+        ext.define_macros = list(ext.define_macros or []) + macros
+
+        def family_objects(item):
+            src, flags, _ = item
+            return self.compiler.compile([src], output_dir=self.build_temp, include_dirs=INCLUDES, macros=macros,
+                                         extra_postargs=COMMON + flags + extra_debug)
+
+        with ThreadPoolExecutor(jobs) as ex:
+            objects = [o for objs in ex.map(family_objects, families.values()) for o in objs]
         ext.extra_objects = objects
         ext.extra_compile_args = COMMON + extra_debug
         ext.extra_link_args = ["-fopenmp"] + extra_debug
@@ -60,7 +155,6 @@ ext = Extension(
     sources=["fa2cpu/_core.pyx", "csrc/dispatch/cpu_features.cpp", "csrc/dispatch/registry.cpp",
              "csrc/driver/driver.cpp", "csrc/driver/pool.cpp"],
     include_dirs=INCLUDES,
-    define_macros=DEFINES,
     language="c++",
 )
 

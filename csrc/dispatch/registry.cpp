@@ -10,8 +10,10 @@
 namespace fa2cpu {
 
 extern const KernelTable kTableGeneric;
-#if defined(FA2CPU_X86)
+#if defined(FA2CPU_HAVE_AVX2)
 extern const KernelTable kTableAvx2;
+#endif
+#if defined(FA2CPU_HAVE_AVX512)
 extern const KernelTable kTableAvx512;
 #endif
 #if defined(FA2CPU_HAVE_AVX512BF16)
@@ -29,8 +31,10 @@ static const KernelTable* table_of(int isa) {
 #if defined(FA2CPU_HAVE_AVX512BF16)
         case Isa::avx512bf16: return &kTableAvx512bf16;
 #endif
-#if defined(FA2CPU_X86)
+#if defined(FA2CPU_HAVE_AVX512)
         case Isa::avx512: return &kTableAvx512;
+#endif
+#if defined(FA2CPU_HAVE_AVX2)
         case Isa::avx2: return &kTableAvx2;
 #endif
         case Isa::generic: return &kTableGeneric;
