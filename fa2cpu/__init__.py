@@ -20,10 +20,11 @@ except ImportError as _e:  # pragma: no cover - exercised by tests/test_hardenin
             f"(or `python setup.py build_ext --inplace`).") from _e
     raise
 from .attention import flash_attention, flash_attention_varlen, flash_attention_with_kvcache
-from .backward import flash_attention_backward
+from .backward import flash_attention_backward, flash_attention_varlen_backward
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "flash_attention_backward",
+           "flash_attention_varlen_backward",
            "available_isas", "get_isa", "set_isa", "show_config", "__version__"]
 
 ISA_FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "generic")  # best first

@@ -92,6 +92,10 @@ def _fix_strides(a):
 
 
 def _int(name, x, minimum=None):
+    if type(x) is int:  # the common case, without the ABC checks below (~1 us per call)
+        if minimum is not None and x < minimum:
+            raise ValueError(f"{name}: must be >= {minimum}, got {x}")
+        return x
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
     x = int(x)
@@ -148,8 +152,9 @@ class _Options:
     __slots__ = ("scale", "softcap", "left", "right")
 
     def __init__(self, d, causal, scale, window, softcap, nq_max, nk_max):
-        if scale is None and softcap is None and causal is False and type(window) is tuple and window == (-1, -1):
-            self.scale, self.softcap, self.left, self.right = 1.0 / math.sqrt(d), 0.0, -1, -1
+        if scale is None and softcap is None and type(window) is tuple and window == (-1, -1) and type(causal) is bool:
+            self.scale, self.softcap, self.left = 1.0 / math.sqrt(d), 0.0, -1
+            self.right = 0 if causal and nq_max > 1 else -1  # right >= nq - 1 clips nothing
             return
         if scale is None:
             self.scale = 1.0 / math.sqrt(d)
@@ -618,7 +623,10 @@ def _kvcache_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     out = _out(out, (B, Nq, Hq, Dv), q.dtype,
                {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi})
 
-    if nnew:  # append in place (all checks passed)
+    if nnew and scalar_len is not None and bt is None:  # append in place (all checks passed)
+        k_cache[:, scalar_len:scalar_len + nnew] = k
+        v_cache[:, scalar_len:scalar_len + nnew] = v
+    elif nnew:
         pos = seqlens[:, None] + np.arange(nnew)[None, :]                # (B, Nnew)
         if bt is None:
             bidx = np.broadcast_to(np.arange(B)[:, None], pos.shape)

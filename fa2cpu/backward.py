@@ -14,7 +14,7 @@ import numpy as np
 
 from .attention import _Options, _alibi, _data, _qkv, _threads
 
-__all__ = ["flash_attention_backward"]
+__all__ = ["flash_attention_backward", "flash_attention_varlen_backward"]
 
 # Tile sizes: key rows per block, and (query rows x group heads) per block. Module attributes so
 # tests can shrink them to exercise many tile edges on small inputs.
@@ -249,4 +249,51 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 for f in [pool.submit(_task, b, hk, *args) for b, hk in tasks]:
                     f.result()
+    return dq, dk, dv
+
+
+def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                                    max_seqlen_k=None, causal=False, scale=None, window=(-1, -1), softcap=None,
+                                    alibi_slopes=None, num_threads=None):
+    """Gradients of :func:`fa2cpu.flash_attention_varlen` with respect to q, k and v.
+
+    q ``(total_q, Hq, D)``, k ``(total_k, Hk, D)``, v ``(total_k, Hk, Dv)``; ``dout``/``out``
+    ``(total_q, Hq, Dv)`` and ``lse`` float32 ``(Hq, total_q)`` as the forward returned them;
+    ``cu_seqlens_*`` and the options must be the forward's. Each sequence is differentiated with
+    :func:`flash_attention_backward` on ``(1, n, H, D)`` views (masks aligned per sequence, as in
+    the forward). Returns new ``(dq, dk, dv)`` in the input dtype; rows of a sequence without keys
+    (and keys of a sequence without queries) get zero gradients.
+    """
+    from .attention import _cu_seqlens, _dtype_code, _same_dtype
+    q = _data("q", q); k = _data("k", k); v = _data("v", v)
+    dout = _data("dout", dout); out = _data("out", out); lse = _data("lse", lse)
+    _dtype_code("q", q)
+    _same_dtype("q", q, k=k, v=v, dout=dout, out=out)
+    for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
+        if a.ndim != 3:
+            raise ValueError(f"{name}: expected a 3-D (total, H, D) array, got shape {a.shape}")
+    Tq, Hq, _ = q.shape
+    Tk = k.shape[0]
+    _match("dout", dout, (Tq, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
+    _match("out", out, (Tq, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
+    _match("lse", lse, (Hq, Tq), np.float32, "float32")
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq)
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_k: shape {cu_k.shape} does not match cu_seqlens_q's shape {cu_q.shape}")
+    del max_seqlen_q, max_seqlen_k  # bounds for the forward's planning; the loop needs none
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _alibi(alibi_slopes, cu_q.shape[0] - 1, Hq)
+    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+    for b in range(cu_q.shape[0] - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q0 == q1 or k0 == k1:
+            continue
+        g = flash_attention_backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                     out[None, q0:q1], lse[None, :, q0:q1], causal=causal, scale=scale,
+                                     window=window, softcap=softcap,
+                                     alibi_slopes=None if slopes is None else slopes[b], layout="bshd",
+                                     num_threads=num_threads)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv

@@ -1,0 +1,583 @@
+"""fa2cpu.torch: the NumPy API on tensors, custom operators, autograd and SDPA.
+
+Tensors are checked against the NumPy API on the same memory (same kernels: equal results), the
+float64 oracle (gradients, TOL table of conftest) and torch's own SDPA and autograd. Skipped
+cleanly when torch is not installed.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fa2cpu  # noqa: E402
+import fa2cpu.torch as ft  # noqa: E402
+from conftest import DTYPES, TOL, check_close, rand, ref  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+torch_sdpa = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever is patched
+
+
+def T(a):
+    """Tensor sharing the memory of NumPy array ``a`` (bfloat16 through int16)."""
+    return ft._tensor(a)
+
+
+def N(t):
+    """NumPy view of tensor ``t`` (bfloat16 -> ml_dtypes.bfloat16)."""
+    return ft._np("t", t)
+
+
+def trand(rng, shape, dtype="float32"):
+    return T(rand(rng, shape, dtype))
+
+
+def same(a, b):
+    """Bitwise-equal results (the same kernels ran on the same memory)."""
+    np.testing.assert_array_equal(np.asarray(N(a) if isinstance(a, torch.Tensor) else a).astype(np.float64),
+                                  np.asarray(N(b) if isinstance(b, torch.Tensor) else b).astype(np.float64))
+
+
+# ------------------------------------------------------------------------------ plumbing
+
+def test_import_fa2cpu_does_not_import_torch():
+    code = "import sys, fa2cpu; assert 'torch' not in sys.modules, 'fa2cpu imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numpy_views_share_memory_and_strides(rng, dtype):
+    base = trand(rng, (3, 5, 8), dtype)
+    for t in (base, base.transpose(0, 2), base[:, 1::2, 3:], base.expand(2, 3, 5, 8)):
+        a = N(t)
+        assert a.dtype == ft._np("x", base).dtype
+        assert a.ctypes.data == t.data_ptr()
+        assert a.strides == tuple(s * t.element_size() for s in t.stride())
+        back = T(np.ascontiguousarray(a))
+        assert back.dtype == t.dtype and torch.equal(back, t.contiguous())
+
+
+def test_registered_operators():
+    for name in ("flash_attention", "flash_attention_out", "flash_attention_backward",
+                 "flash_attention_varlen", "flash_attention_varlen_out",
+                 "flash_attention_varlen_backward", "flash_attention_with_kvcache"):
+        assert hasattr(torch.ops.fa2cpu, name), name
+    schema = str(torch.ops.fa2cpu.flash_attention_with_kvcache.default._schema)
+    assert "Tensor(a!) k_cache" in schema and "Tensor(b!) v_cache" in schema and "Tensor(c!) out" in schema
+
+
+def test_errors_name_the_argument(rng):
+    q = trand(rng, (1, 2, 3, 4))
+    with pytest.raises(TypeError, match="k: expected a torch.Tensor"):
+        ft.flash_attention(q, N(q), q)
+    with pytest.raises(TypeError, match="q: dtype float64"):
+        ft.flash_attention(q.double(), q.double(), q.double())
+    with pytest.raises(ValueError, match="window"):
+        ft.flash_attention(q, q, q, window=(1,))
+    q.requires_grad_()
+    with pytest.raises(RuntimeError, match="out= does not support automatic differentiation"):
+        ft.flash_attention(q, q, q, out=torch.empty(1, 2, 3, 4))
+
+
+def test_meta_tensors_give_shapes():
+    q = torch.empty(2, 4, 7, 16, device="meta")
+    k = torch.empty(2, 2, 9, 16, device="meta")
+    v = torch.empty(2, 2, 9, 8, device="meta")
+    out, lse = ft.flash_attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 4, 7, 8) and out.device.type == "meta"
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------ flash_attention
+
+# (rank or "bshd", B, Hq, Hk, Nq, Nk, D, Dv): awkward sizes, GQA/MQA, Nq != Nk both ways
+FA_CASES = [
+    (4, 2, 4, 2, 7, 33, 16, 16),
+    (4, 1, 3, 1, 33, 7, 13, 5),
+    (3, 1, 2, 2, 1, 31, 32, 32),
+    (2, 1, 1, 1, 13, 13, 7, 7),
+    ("bshd", 2, 6, 3, 17, 17, 24, 40),
+]
+
+
+def _fa_inputs(rng, case, dtype):
+    rank, B, Hq, Hk, Nq, Nk, D, Dv = case
+    if rank == "bshd":
+        shapes = (B, Nq, Hq, D), (B, Nk, Hk, D), (B, Nk, Hk, Dv)
+        return [trand(rng, s, dtype) for s in shapes], "bshd"
+    shapes = (B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, Dv)
+    cut = 4 - rank
+    q, k, v = (trand(rng, s[cut:], dtype) for s in shapes)
+    # a non-contiguous k: every other row of a longer buffer
+    k = trand(rng, k.shape[:-2] + (2 * k.shape[-2], k.shape[-1]), dtype)[..., ::2, :]
+    return [q, k, v], "bhsd"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", FA_CASES, ids=str)
+def test_flash_attention_matches_numpy(rng, dtype, case):
+    (q, k, v), layout = _fa_inputs(rng, case, dtype)
+    opts = dict(causal=True, layout=layout)
+    got, lse = ft.flash_attention(q, k, v, return_lse=True, **opts)
+    want, want_lse = fa2cpu.flash_attention(N(q), N(k), N(v), return_lse=True, **opts)
+    assert isinstance(got, torch.Tensor) and got.dtype == q.dtype and lse.dtype == torch.float32
+    same(got, want)
+    same(lse, want_lse)
+    out = torch.empty_like(got)
+    assert ft.flash_attention(q, k, v, out=out, **opts) is out
+    same(out, want)
+    # the operator (the path torch.compile and autograd take) gives the same numbers
+    o2, l2 = torch.ops.fa2cpu.flash_attention(q, k, v, True, None, [-1, -1], None, None, None, layout, None)
+    same(o2, want)
+    same(l2, want_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_attention_options_and_mask(rng, dtype):
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 7, 11, 16
+    q, k, v = trand(rng, (B, Hq, Nq, D), dtype), trand(rng, (B, Hk, Nk, D), dtype), trand(rng, (B, Hk, Nk, D), dtype)
+    slopes = torch.rand(Hq)
+    bmask = torch.rand(B, 1, Nq, Nk) > 0.3
+    fmask = torch.randn(1, Hq, 1, Nk).to(TORCH_DTYPES[dtype])
+    for opts in (dict(window=(3, 1), softcap=5.0, alibi_slopes=slopes, scale=0.3),
+                 dict(mask=bmask), dict(mask=fmask, causal=True)):
+        np_opts = {key: (N(val) if isinstance(val, torch.Tensor) else val) for key, val in opts.items()}
+        same(ft.flash_attention(q, k, v, **opts), fa2cpu.flash_attention(N(q), N(k), N(v), **np_opts))
+
+
+def test_under_no_grad_and_inference_mode(rng):
+    q, k, v = (trand(rng, (1, 2, 5, 8)).requires_grad_() for _ in range(3))
+    want = fa2cpu.flash_attention(N(q), N(k), N(v))
+    with torch.no_grad():
+        same(ft.flash_attention(q, k, v), want)
+    with torch.inference_mode():
+        same(ft.flash_attention(q, k, v), want)
+
+
+# ------------------------------------------------------------------------------ varlen
+
+def _varlen_inputs(rng, dtype, Hq=4, Hk=2, D=16, Dv=16, lens_q=(7, 0, 1, 33), lens_k=(13, 5, 1, 33)):
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int64)
+    q = trand(rng, (int(cu_q[-1]), Hq, D), dtype)
+    k = trand(rng, (int(cu_k[-1]), Hk, D), dtype)
+    v = trand(rng, (int(cu_k[-1]), Hk, Dv), dtype)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_matches_numpy(rng, dtype):
+    q, k, v, cu_q, cu_k = _varlen_inputs(rng, dtype, D=24, Dv=8)
+    opts = dict(causal=True, max_seqlen_q=33, window=(5, 0))
+    got, lse = ft.flash_attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **opts)
+    want, want_lse = fa2cpu.flash_attention_varlen(N(q), N(k), N(v), N(cu_q), N(cu_k), return_lse=True, **opts)
+    same(got, want)
+    same(lse, want_lse)
+    out = torch.empty_like(got)
+    assert ft.flash_attention_varlen(q, k, v, cu_q, cu_k, out=out, **opts) is out
+    same(out, want)
+
+
+# ------------------------------------------------------------------------------ kvcache
+
+def _cache(rng, dtype, paged, layout, B=3, Hq=4, Hk=2, D=16, Dv=8, cap=40, block=8):
+    """Random caches (torch tensors) in `layout` and the block table (or None)."""
+    if paged:
+        nblocks = B * cap // block + 2
+        perm = rng.permutation(nblocks)[:B * cap // block].reshape(B, cap // block)
+        bt = torch.tensor(perm, dtype=torch.int32)
+        lead = (nblocks, block)
+    else:
+        bt, lead = None, (B, cap)
+    kc, vc = trand(rng, lead + (Hk, D), dtype), trand(rng, lead + (Hk, Dv), dtype)
+    if layout == "bhsd":
+        kc, vc = (x.transpose(1, 2).contiguous() for x in (kc, vc))
+    return kc, vc, bt
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("seqlens", ["int", "tensor", "tensor-b1"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_kvcache_appends_in_place(rng, dtype, paged, seqlens, layout):
+    B = 1 if seqlens == "tensor-b1" else 3
+    Hq, Hk, D, Dv, nnew, Nq = 4, 2, 16, 8, 3, 3
+    kc, vc, bt = _cache(rng, dtype, paged, layout, B=B, Hq=Hq, Hk=Hk, D=D, Dv=Dv)
+    kc_np, vc_np = N(kc).copy(), N(vc).copy()
+    ptrs = kc.data_ptr(), vc.data_ptr()
+    versions = kc._version, vc._version
+    hs = (lambda *s: (s[0], s[2], s[1], s[3])) if layout == "bhsd" else (lambda *s: s)
+    q = trand(rng, hs(B, Nq, Hq, D), dtype)
+    k, v = trand(rng, hs(B, nnew, Hk, D), dtype), trand(rng, hs(B, nnew, Hk, Dv), dtype)
+    lens = 17 if seqlens == "int" else torch.tensor(rng.integers(0, 37, B), dtype=torch.int32)
+    opts = dict(cache_seqlens=lens, block_table=bt, causal=True, layout=layout)
+    got, lse = ft.flash_attention_with_kvcache(q, kc, vc, k, v, return_lse=True, **opts)
+    np_opts = {key: (N(val) if isinstance(val, torch.Tensor) else val) for key, val in opts.items()}
+    want, want_lse = fa2cpu.flash_attention_with_kvcache(N(q), kc_np, vc_np, N(k), N(v), return_lse=True, **np_opts)
+    same(got, want)
+    same(lse, want_lse)
+    same(kc, kc_np)                       # appended in place, exactly where the NumPy API appends
+    same(vc, vc_np)
+    assert (kc.data_ptr(), vc.data_ptr()) == ptrs
+    assert kc._version > versions[0] and vc._version > versions[1]
+    # the general path (alibi_slopes forces it) and out= give the same result
+    out = torch.empty_like(got)
+    kc2, vc2 = kc.clone(), vc.clone()
+    r = ft.flash_attention_with_kvcache(q, kc2, vc2, k, v, alibi_slopes=torch.zeros(Hq), out=out, **opts)
+    assert r is out
+    same(out, want)
+    same(kc2, kc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kvcache_decode_options(rng, dtype):
+    """The lean path with each option vs the NumPy API (one token, B = 2, contiguous)."""
+    kc, vc, _ = _cache(rng, dtype, False, "bshd", B=2, D=32, Dv=32)
+    q = trand(rng, (2, 1, 4, 32), dtype)
+    lens = torch.tensor([39, 5], dtype=torch.int64)
+    for opts in (dict(), dict(window=(4, 0)), dict(softcap=3.0, scale=0.5), dict(num_splits=3),
+                 dict(num_splits=1, num_threads=1), dict(window=(10 ** 12, 0))):
+        got = ft.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, **opts)
+        same(got, fa2cpu.flash_attention_with_kvcache(N(q), N(kc), N(vc), cache_seqlens=N(lens), **opts))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kvcache_decode_loop_on_the_same_tensors(rng, dtype):
+    """Token by token into the same cache tensors (their NumPy views are memoised after the
+    first call), then the tensors' storage is swapped: every step equals the NumPy API."""
+    B, Hq, Hk, D, cap = 2, 4, 2, 16, 12
+    kc, vc = trand(rng, (B, cap, Hk, D), dtype), trand(rng, (B, cap, Hk, D), dtype)
+    kc_np, vc_np = N(kc).copy(), N(vc).copy()
+    for step in range(6):
+        if step == 3:  # new storage behind the same tensor objects
+            kc.set_(kc.clone())
+            vc.data = vc.data.clone()
+        q, k, v = trand(rng, (B, 1, Hq, D), dtype), trand(rng, (B, 1, Hk, D), dtype), trand(rng, (B, 1, Hk, D), dtype)
+        got = ft.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=step, causal=True)
+        want = fa2cpu.flash_attention_with_kvcache(N(q), kc_np, vc_np, N(k), N(v), cache_seqlens=step, causal=True)
+        same(got, want)
+        same(kc, kc_np)
+        same(vc, vc_np)
+    assert ft._CACHE_VIEWS[id(kc)][-1] is not None, "the lean path did not memoise the cache view"
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_errors_leave_the_cache_untouched(rng, paged):
+    kc, vc, bt = _cache(rng, "float32", paged, "bshd", B=2)
+    before = kc.clone(), vc.clone()
+    q, k, v = trand(rng, (2, 1, 4, 16)), trand(rng, (2, 2, 2, 16)), trand(rng, (2, 2, 2, 8))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        ft.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=39, block_table=bt)
+    with pytest.raises(ValueError, match="out"):
+        ft.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, block_table=bt, out=torch.empty(2, 1, 4, 9))
+    with pytest.raises(ValueError, match="out: must not overlap"):
+        overlapping = kc[:, 5:6].view(2, 1, 4, 8) if bt is None else kc[:2, 5:6].view(2, 1, 4, 8)
+        ft.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, block_table=bt, out=overlapping)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+# ------------------------------------------------------------------------------ torch.compile
+
+def test_opcheck_every_operator(rng):
+    """torch.library.opcheck: schema (mutations declared), fake tensors, autograd registration."""
+    q, k, v = trand(rng, (2, 4, 7, 16)), trand(rng, (2, 2, 9, 16)), trand(rng, (2, 2, 9, 8))
+    fa_opts = (True, None, [-1, -1], None, None, None, "bhsd", None)
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.fa2cpu.flash_attention.default, (q, k, v) + fa_opts)
+    opcheck(torch.ops.fa2cpu.flash_attention.default,
+            tuple(x.clone().requires_grad_() for x in (q, k, v)) + fa_opts)
+    opcheck(torch.ops.fa2cpu.flash_attention_out.default, (q, k, v) + fa_opts + (True, torch.empty(2, 4, 7, 8)))
+    out, lse = ft.flash_attention(q, k, v, causal=True, return_lse=True)
+    opcheck(torch.ops.fa2cpu.flash_attention_backward.default,
+            (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), True, None, [-1, -1], None, None,
+             "bhsd", None, False))
+    vq, vk, vv, cu_q, cu_k = _varlen_inputs(rng, "float32")
+    vl_opts = (None, None, True, None, [-1, -1], None, None, None)
+    opcheck(torch.ops.fa2cpu.flash_attention_varlen.default, (vq, vk, vv, cu_q, cu_k) + vl_opts)
+    opcheck(torch.ops.fa2cpu.flash_attention_varlen.default,
+            tuple(x.clone().requires_grad_() for x in (vq, vk, vv)) + (cu_q, cu_k) + vl_opts)
+    opcheck(torch.ops.fa2cpu.flash_attention_varlen_out.default,
+            (vq, vk, vv, cu_q, cu_k) + vl_opts + (False, torch.empty_like(vq)))
+    kc, vc, bt = _cache(rng, "float32", True, "bshd", B=2)
+    opcheck(torch.ops.fa2cpu.flash_attention_with_kvcache.default,
+            (trand(rng, (2, 1, 4, 16)), kc, vc, trand(rng, (2, 1, 2, 16)), trand(rng, (2, 1, 2, 8)),
+             torch.tensor([3, 9], dtype=torch.int32), None, bt, True, None, [-1, -1], None, None, True, 0, None,
+             torch.empty(2, 1, 4, 8), "bshd"))
+
+
+# inductor itself warns that torch.jit.script_method is deprecated (torch 2.13)
+INDUCTOR_WARNING = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+@INDUCTOR_WARNING
+def test_compile_fullgraph_flash_attention_and_grad(rng):
+    q, k, v = trand(rng, (1, 4, 9, 16)), trand(rng, (1, 2, 9, 16)), trand(rng, (1, 2, 9, 16))
+    fn = torch.compile(lambda q, k, v: ft.flash_attention(q, k, v, causal=True, return_lse=True), fullgraph=True)
+    got, lse = fn(q, k, v)
+    want, want_lse = fa2cpu.flash_attention(N(q), N(k), N(v), causal=True, return_lse=True)
+    same(got, want)
+    same(lse, want_lse)
+    # training graph: forward + backward operators traced together
+    loss = torch.compile(lambda q, k, v: ft.flash_attention(q, k, v, causal=True).square().sum(),
+                         fullgraph=True, backend="aot_eager")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    loss(*leaves).backward()
+    eager = [x.clone().requires_grad_() for x in (q, k, v)]
+    ft.flash_attention(*eager, causal=True).square().sum().backward()
+    for a, b in zip(leaves, eager):
+        same(a.grad, b.grad)
+
+
+def test_compile_fullgraph_varlen_and_out(rng):
+    q, k, v, cu_q, cu_k = _varlen_inputs(rng, "float32")
+    fn = torch.compile(lambda q, k, v, a, b: ft.flash_attention_varlen(q, k, v, a, b, causal=True),
+                       fullgraph=True, backend="aot_eager")
+    same(fn(q, k, v, cu_q, cu_k), fa2cpu.flash_attention_varlen(N(q), N(k), N(v), N(cu_q), N(cu_k), causal=True))
+    q4, k4 = trand(rng, (1, 2, 5, 8)), trand(rng, (1, 2, 6, 8))
+    out = torch.zeros(1, 2, 5, 8)
+    fo = torch.compile(lambda q, k, o: ft.flash_attention(q, k, k, out=o), fullgraph=True, backend="aot_eager")
+    fo(q4, k4, out)
+    same(out, fa2cpu.flash_attention(N(q4), N(k4), N(k4)))
+
+
+@INDUCTOR_WARNING
+def test_compile_fullgraph_kvcache_mutates_the_cache(rng):
+    kc, vc, bt = _cache(rng, "float32", True, "bshd", B=2)
+    kc_np, vc_np = N(kc).copy(), N(vc).copy()
+    q, k, v = trand(rng, (2, 1, 4, 16)), trand(rng, (2, 1, 2, 16)), trand(rng, (2, 1, 2, 8))
+    lens = torch.tensor([3, 30], dtype=torch.int32)
+    fn = torch.compile(lambda q, kc, vc, k, v, lens, bt: ft.flash_attention_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=lens, block_table=bt, causal=True), fullgraph=True)
+    got = fn(q, kc, vc, k, v, lens, bt)
+    want = fa2cpu.flash_attention_with_kvcache(N(q), kc_np, vc_np, N(k), N(v), cache_seqlens=N(lens),
+                                               block_table=N(bt), causal=True)
+    same(got, want)
+    same(kc, kc_np)
+    same(vc, vc_np)
+
+
+# ------------------------------------------------------------------------------ autograd
+
+def _sdpa_grads(fn, q, k, v, dout, **kw):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves, **kw)
+    out.backward(dout)
+    return out.detach(), [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("case", ["causal", "gqa", "nq<nk-causal", "nq>nk-causal"])
+def test_gradients_match_torch_sdpa(rng, case):
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 4, 13, 13, 16
+    kw = {}
+    if case == "causal":
+        kw = dict(is_causal=True)
+    elif case == "gqa":
+        Hk, kw = 2, dict(is_causal=True, enable_gqa=True)
+    elif case == "nq<nk-causal":
+        Nq, Nk, kw = 7, 33, dict(scale=0.4, is_causal=True)  # top-left: keys trimmed to Nq
+    else:
+        Nq, Nk, Hk, kw = 33, 7, 1, dict(is_causal=True, enable_gqa=True)
+    q, k, v = trand(rng, (B, Hq, Nq, D)), trand(rng, (B, Hk, Nk, D)), trand(rng, (B, Hk, Nk, D))
+    dout = trand(rng, (B, Hq, Nq, D))
+    out, grads = _sdpa_grads(ft.scaled_dot_product_attention, q, k, v, dout, **kw)
+    want_out, want = _sdpa_grads(torch_sdpa, q, k, v, dout, **kw)
+    torch.testing.assert_close(out, want_out, **TOL["float32"])
+    for name, g, w in zip("qkv", grads, want):
+        torch.testing.assert_close(g, w, **TOL["float32"], msg=lambda m: f"d{name} ({case}): {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "3d"])
+def test_gradients_match_float64_reference(rng, dtype, layout):
+    B, Hq, Hk, Nq, Nk, D, Dv = 2, 4, 2, 7, 11, 16, 8
+    kw = dict(causal=True, softcap=4.0, alibi_slopes=np.linspace(0.1, 0.5, Hq, dtype=np.float32))
+    if layout == "bshd":
+        shapes = (B, Nq, Hq, D), (B, Nk, Hk, D), (B, Nk, Hk, Dv), (B, Nq, Hq, Dv)
+    elif layout == "bhsd":
+        shapes = (B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, Dv), (B, Hq, Nq, Dv)
+    else:
+        shapes = (Hq, Nq, D), (Hk, Nk, D), (Hk, Nk, Dv), (Hq, Nq, Dv)
+    q, k, v, dout = (rand(rng, s, dtype) for s in shapes)
+    lay = "bshd" if layout == "bshd" else "bhsd"
+    leaves = [T(x.copy()).requires_grad_() for x in (q, k, v)]
+    out = ft.flash_attention(*leaves, layout=lay, **dict(kw, alibi_slopes=torch.from_numpy(kw["alibi_slopes"])))
+    out.backward(T(dout))
+    want = ref.attention_backward_ref(dout, q, k, v, layout=lay, **kw)
+    for name, t, w in zip("qkv", leaves, want):
+        assert t.grad.dtype == t.dtype
+        check_close(N(t.grad), w, dtype, what=f"d{name}")
+
+
+def test_gradient_through_lse(rng):
+    """A loss that uses lse as well as out: compared with torch autograd of a float64 formula."""
+    B, Hq, Hk, Nq, Nk, D = 1, 4, 2, 7, 9, 8
+    q, k, v = trand(rng, (B, Hq, Nq, D)), trand(rng, (B, Hk, Nk, D)), trand(rng, (B, Hk, Nk, D))
+    w_out, w_lse = trand(rng, (B, Hq, Nq, D)), trand(rng, (B, Hq, Nq))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = ft.flash_attention(*leaves, causal=True, softcap=2.0, return_lse=True)
+    ((out * w_out).sum() + (lse * w_lse).sum()).backward()
+
+    ref_leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    q64, k64, v64 = ref_leaves
+    k64, v64 = (x.repeat_interleave(Hq // Hk, dim=1) for x in (k64, v64))
+    s = 2.0 * torch.tanh((q64 @ k64.transpose(-1, -2)) / np.sqrt(D) / 2.0)
+    vis = torch.from_numpy(ref.visible_band(Nq, Nk, causal=True))
+    s = s.masked_fill(~vis, float("-inf"))
+    r_lse = torch.logsumexp(s, -1)
+    r_out = torch.softmax(s, -1) @ v64
+    ((r_out * w_out.double()).sum() + (r_lse * w_lse.double()).sum()).backward()
+    for name, a, b in zip("qkv", leaves, ref_leaves):
+        check_close(a.grad.numpy(), b.grad.numpy(), "float32", what=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_gradients_match_float64_reference(rng, dtype):
+    q, k, v, cu_q, cu_k = _varlen_inputs(rng, dtype, D=16, Dv=8)
+    dout = trand(rng, (q.shape[0], q.shape[1], 8), dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ft.flash_attention_varlen(*leaves, cu_q, cu_k, causal=True, window=(6, 0)).backward(dout)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for name, t, x in zip("qkv", leaves, (q, k, v)):
+        assert t.grad.dtype == t.dtype and t.grad.shape == x.shape
+    for b in range(len(cq) - 1):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b] == cq[b + 1] or ck[b] == ck[b + 1]:
+            assert not leaves[0].grad[sq].any()
+            continue
+        want = ref.attention_backward_ref(N(dout)[None, sq], N(q)[None, sq], N(k)[None, sk], N(v)[None, sk],
+                                          causal=True, window=(6, 0), layout="bshd")
+        for name, t, w, rows in zip("qkv", leaves, want, (sq, sk, sk)):
+            check_close(N(t.grad)[rows], w[0], dtype, what=f"d{name} sequence {b}")
+
+
+def test_mask_gradient_is_refused(rng):
+    q = trand(rng, (1, 1, 3, 8)).requires_grad_()
+    out = ft.flash_attention(q, q, q, mask=torch.ones(3, 3, dtype=torch.bool))
+    with pytest.raises(NotImplementedError, match="mask"):
+        out.sum().backward()
+
+
+# ------------------------------------------------------------------------------ SDPA
+
+def _spy(monkeypatch):
+    """Counts calls of torch's own SDPA made by fa2cpu.torch (its fallbacks)."""
+    calls = []
+
+    def fallback(*args, **kwargs):
+        calls.append(1)
+        return torch_sdpa(*args, **kwargs)
+    monkeypatch.setattr(ft, "_torch_sdpa", fallback)
+    return calls
+
+
+SDPA_CASES = {
+    "plain": dict(shapes=((2, 3, 7, 16), (2, 3, 33, 16), (2, 3, 33, 16)), kw={}),
+    "bool-mask": dict(shapes=((2, 3, 7, 16), (2, 3, 13, 16), (2, 3, 13, 8)), kw={}, mask=("bool", (2, 1, 7, 13))),
+    "float-mask": dict(shapes=((2, 3, 7, 16), (2, 3, 13, 16), (2, 3, 13, 16)), kw={}, mask=("float", (7, 13))),
+    "causal-nq=nk": dict(shapes=((1, 2, 31, 16), (1, 2, 31, 16), (1, 2, 31, 16)), kw=dict(is_causal=True)),
+    "causal-nq<nk": dict(shapes=((1, 2, 7, 16), (1, 2, 33, 16), (1, 2, 33, 16)), kw=dict(is_causal=True)),
+    "causal-nq>nk": dict(shapes=((1, 2, 33, 16), (1, 2, 7, 16), (1, 2, 7, 16)), kw=dict(is_causal=True)),
+    "mask-and-causal": dict(shapes=((1, 2, 5, 16), (1, 2, 9, 16), (1, 2, 9, 16)), kw=dict(is_causal=True),
+                            mask=("bool", (1, 2, 5, 9))),
+    "causal-nq=1": dict(shapes=((1, 2, 1, 16), (1, 2, 13, 16), (1, 2, 13, 16)), kw=dict(is_causal=True)),
+    "gqa": dict(shapes=((2, 8, 7, 32), (2, 2, 7, 32), (2, 2, 7, 32)), kw=dict(is_causal=True, enable_gqa=True)),
+    "scale": dict(shapes=((1, 2, 5, 16), (1, 2, 9, 16), (1, 2, 9, 16)), kw=dict(scale=0.77)),
+    "3d": dict(shapes=((3, 13, 16), (3, 17, 16), (3, 17, 16)), kw=dict(is_causal=True)),
+    "2d": dict(shapes=((13, 16), (7, 16), (7, 16)), kw={}),
+    "5d": dict(shapes=((2, 2, 3, 5, 16), (2, 2, 3, 5, 16), (2, 2, 3, 5, 16)), kw=dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(SDPA_CASES))
+def test_sdpa_matches_torch(rng, monkeypatch, case):
+    c = SDPA_CASES[case]
+    q, k, v = (trand(rng, s) for s in c["shapes"])
+    kw = dict(c["kw"])
+    if "mask" in c:
+        kind, shape = c["mask"]
+        kw["attn_mask"] = torch.rand(shape) > 0.3 if kind == "bool" else torch.randn(shape)
+    calls = _spy(monkeypatch)
+    got = ft.scaled_dot_product_attention(q, k, v, **kw)
+    assert not calls, "fell back to torch's SDPA"
+    torch.testing.assert_close(got, torch_sdpa(q, k, v, **kw), **TOL["float32"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sdpa_low_precision_vs_reference(rng, dtype):
+    q, k, v = (trand(rng, (1, 4, n, 16), dtype) for n in (9, 13, 13))
+    got = ft.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert got.dtype == q.dtype
+    # top-left causal with Nq < Nk: the first Nq keys, bottom-right aligned
+    want, _ = ref.attention_ref(N(q), N(k)[:, :, :9], N(v)[:, :, :9], causal=True)
+    check_close(N(got), want, dtype)
+
+
+@pytest.mark.parametrize("case", ["dropout", "float64", "head-dim-300", "mask-with-grad", "hk-broadcast"])
+def test_sdpa_fallbacks_give_torchs_result(rng, monkeypatch, case):
+    q, k, v = (trand(rng, (1, 2, 5, 16)) for _ in range(3))
+    kw = {}
+    if case == "dropout":
+        kw = dict(dropout_p=0.5)
+    elif case == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif case == "head-dim-300":
+        q, k, v = (trand(rng, (1, 2, 5, 300)) for _ in range(3))
+    elif case == "mask-with-grad":
+        q.requires_grad_()
+        kw = dict(attn_mask=torch.rand(5, 5) > 0.2)
+    else:  # Hq != Hk without enable_gqa: torch broadcasts Hk = 1
+        k, v = k[:, :1], v[:, :1]
+    calls = _spy(monkeypatch)
+    torch.manual_seed(0)
+    got = ft.scaled_dot_product_attention(q, k, v, **kw)
+    assert calls, "expected the fallback"
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, torch_sdpa(q, k, v, **kw), rtol=0, atol=0)
+
+
+def test_patch_sdpa_handle_and_context_manager(rng):
+    import torch.nn.functional as F
+    original = F.scaled_dot_product_attention
+    handle = ft.patch_sdpa()
+    try:
+        assert F.scaled_dot_product_attention is ft.scaled_dot_product_attention
+    finally:
+        handle.undo()
+    assert F.scaled_dot_product_attention is original
+    handle.undo()  # a second undo does nothing
+    assert F.scaled_dot_product_attention is original
+
+    # training mode (dropout 0): nn.MultiheadAttention calls F.scaled_dot_product_attention
+    # (in eval mode under no_grad it takes its fused fast path instead)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).train()
+    x = trand(rng, (2, 7, 16))
+    with torch.no_grad():
+        want = mha(x, x, x, need_weights=False)[0]
+        with ft.patch_sdpa() as h, pytest.MonkeyPatch.context() as mp:
+            seen = []
+            mp.setattr(ft, "flash_attention", lambda *a, **kw: seen.append(1) or fa2cpu_torch_fa(*a, **kw))
+            got = mha(x, x, x, need_weights=False)[0]
+            assert h.active and seen, "nn.MultiheadAttention did not go through fa2cpu"
+    assert F.scaled_dot_product_attention is original and not h.active
+    torch.testing.assert_close(got, want, **TOL["float32"])
+
+
+fa2cpu_torch_fa = ft.flash_attention
+
+
+def test_patched_sdpa_compiles_fullgraph(rng):
+    q, k, v = trand(rng, (1, 4, 9, 16)), trand(rng, (1, 2, 13, 16)), trand(rng, (1, 2, 13, 16))
+    import torch.nn.functional as F
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    with ft.patch_sdpa():
+        fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                           fullgraph=True, backend=backend)
+        got = fn(q, k, v)
+    assert any("fa2cpu.flash_attention" in str(n.target) for g in graphs for n in g.graph.nodes)
+    torch.testing.assert_close(got, torch_sdpa(q, k, v, is_causal=True, enable_gqa=True), **TOL["float32"])
