@@ -4,6 +4,7 @@ Tensors are checked against the NumPy API on the same memory (same kernels: equa
 float64 oracle (gradients, TOL table of conftest) and torch's own SDPA and autograd. Skipped
 cleanly when torch is not installed.
 """
+import pathlib
 import subprocess
 import sys
 
@@ -44,7 +45,8 @@ def same(a, b):
 
 def test_import_fa2cpu_does_not_import_torch():
     code = "import sys, fa2cpu; assert 'torch' not in sys.modules, 'fa2cpu imported torch'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # run outside the source tree: `python -c` puts the cwd first on sys.path
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pathlib.Path(fa2cpu.__file__).parents[1].parent)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
