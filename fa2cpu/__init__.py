@@ -76,8 +76,8 @@ def show_config(file=None):
         f"compiled families: {', '.join(_core.compiled_isas())}",
         f"usable families:   {', '.join(_core.available_isas())}",
         f"family in use:     {_core.get_isa()}",
-        f"threads (OpenMP max): {_core.max_threads()}, usable CPUs: {_core.max_useful_threads()}, "
-        f"pool helpers alive: {_core.pool_threads()}",
+        f"threads (OpenMP max): {_core.max_threads()}, usable CPUs: {_core.max_useful_threads()}",
+        f"parallel backend: {_core.parallel_backend()} (pool helpers alive: {_core.pool_threads()})",
         "threadpool_info:",
     ]
     print("\n".join(lines), file=out)

@@ -141,6 +141,18 @@ def pool_threads():
     return c.pool_threads()
 
 
+def set_parallel_backend(str name):
+    """'pool' (fa2cpu's own threads, the default) or 'openmp' (the process's OpenMP runtime:
+    fa2cpu.torch selects it, so calls inside PyTorch run on torch's threads). See pool.h."""
+    if name not in ("pool", "openmp"):
+        raise ValueError(f"name: expected 'pool' or 'openmp', got {name!r}")
+    c.set_openmp_backend(name == "openmp")
+
+
+def parallel_backend():
+    return "openmp" if c.openmp_backend() else "pool"
+
+
 def available_isas():
     cdef int codes[8]
     cdef int n = c.available_isas(codes)

@@ -43,3 +43,5 @@ cdef extern from "fa2cpu/fa2cpu.h" namespace "fa2cpu" nogil:
 cdef extern from "driver/pool.h" namespace "fa2cpu" nogil:
     int max_useful_threads() except +
     int pool_threads() except +
+    void set_openmp_backend(bint on) except +
+    bint openmp_backend() except +

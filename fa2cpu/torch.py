@@ -31,6 +31,7 @@ falling back to torch's own implementation for what fa2cpu cannot compute; :func
 installs it in ``torch.nn.functional``.
 """
 import math
+import os as _os
 import numbers
 import weakref
 
@@ -49,6 +50,13 @@ __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kv
 # torch's own SDPA, taken from the C extension (not from torch.nn.functional, which patch_sdpa
 # or someone else may have replaced before this module was imported).
 _torch_sdpa = torch._C._nn.scaled_dot_product_attention
+
+# Inside PyTorch, run fa2cpu's parallel work on torch's threads: torch and fa2cpu share the
+# process's one libgomp (same soname), and torch's OpenMP threads keep spinning for milliseconds
+# after each op, so a second pool beside them got only part of the cores (in-model attention
+# 0.24-0.72x of sdpa on 16 cores; bench/RESULTS.md). FA2CPU_PARALLEL=pool keeps fa2cpu's own pool.
+if _os.environ.get("FA2CPU_PARALLEL", "").strip().lower() != "pool":
+    _core.set_parallel_backend("openmp")
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the kernels' dtypes

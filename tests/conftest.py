@@ -151,3 +151,22 @@ def rng(request):
     """A generator seeded from the test id, so every test case gets its own reproducible inputs."""
     import zlib
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(autouse=True)
+def parallel_backend(request):
+    """fa2cpu's own pool for every test, except in modules that set PARALLEL_BACKEND (the torch
+    tests: importing fa2cpu.torch switches the process to the shared OpenMP runtime, and collection
+    imports every module before the first test runs)."""
+    try:
+        from fa2cpu import _core
+    except ImportError:
+        yield None
+        return
+    want = getattr(request.module, "PARALLEL_BACKEND", "pool")
+    before = _core.parallel_backend()
+    _core.set_parallel_backend(want)
+    try:
+        yield want
+    finally:
+        _core.set_parallel_backend(before)

@@ -4,9 +4,11 @@ Tensors are checked against the NumPy API on the same memory (same kernels: equa
 float64 oracle (gradients, TOL table of conftest) and torch's own SDPA and autograd. Skipped
 cleanly when torch is not installed.
 """
+import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -16,6 +18,9 @@ torch = pytest.importorskip("torch")
 import fa2cpu  # noqa: E402
 import fa2cpu.torch as ft  # noqa: E402
 from conftest import DTYPES, TOL, check_close, rand, ref  # noqa: E402
+
+# fa2cpu.torch runs fa2cpu on the process's OpenMP runtime (torch's threads): test it that way.
+PARALLEL_BACKEND = "openmp"
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 torch_sdpa = torch._C._nn.scaled_dot_product_attention  # torch's own, whatever is patched
@@ -583,3 +588,40 @@ def test_patched_sdpa_compiles_fullgraph(rng):
         got = fn(q, k, v)
     assert any("fa2cpu.flash_attention" in str(n.target) for g in graphs for n in g.graph.nodes)
     torch.testing.assert_close(got, torch_sdpa(q, k, v, is_causal=True, enable_gqa=True), **TOL["float32"])
+
+
+def test_importing_fa2cpu_torch_selects_the_shared_openmp_runtime():
+    code = textwrap.dedent("""
+        import fa2cpu, numpy as np
+        from fa2cpu import _core
+        assert _core.parallel_backend() == "pool"
+        q = np.random.default_rng(0).standard_normal((2, 4, 300, 32), dtype=np.float32)
+        want = fa2cpu.flash_attention(q, q, q, num_threads=2)
+        import fa2cpu.torch, torch
+        assert _core.parallel_backend() == "openmp"
+        assert np.array_equal(fa2cpu.flash_attention(q, q, q, num_threads=2), want)
+        t = torch.from_numpy(q)
+        assert np.array_equal(fa2cpu.torch.flash_attention(t, t, t, num_threads=2).numpy(), want)
+        # fork after torch and fa2cpu ran threads: the child goes back to fa2cpu's pool and completes
+        import os, time
+        pid = os.fork()
+        if pid == 0:
+            ok = _core.parallel_backend() == "pool" and np.array_equal(fa2cpu.flash_attention(q, q, q, num_threads=2), want)
+            os._exit(0 if ok else 3)
+        t0 = time.time()
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.time() - t0 > 60:
+                os.kill(pid, 9)
+                raise SystemExit("child hung")
+            time.sleep(0.05)
+        print("ok")
+    """)
+    env = dict(os.environ, FA2CPU_PARALLEL="")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=pathlib.Path(fa2cpu.__file__).parents[1].parent)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+    env["FA2CPU_PARALLEL"] = "pool"
+    r = subprocess.run([sys.executable, "-c", "import fa2cpu.torch; from fa2cpu import _core; "
+                        "assert _core.parallel_backend() == 'pool'"], capture_output=True, text=True, timeout=120,
+                       env=env, cwd=pathlib.Path(fa2cpu.__file__).parents[1].parent)
+    assert r.returncode == 0, r.stderr

@@ -15,6 +15,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from conftest import REPO  # noqa: E402
 
+# fa2cpu.torch runs fa2cpu on the process's OpenMP runtime (torch's threads): test it that way.
+PARALLEL_BACKEND = "openmp"
+
 fh = pytest.importorskip("fa2cpu.integrations.transformers")
 import fa2cpu.torch as fat  # noqa: E402
 

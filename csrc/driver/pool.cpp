@@ -1,6 +1,7 @@
 // Thread pool of the driver (contract and reasons in pool.h). Built with no -m flags.
 #include "pool.h"
 
+#include <omp.h>
 #include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
@@ -144,7 +145,12 @@ Pool& pool() {
     return *p;
 }
 
-void after_fork_in_child() { g_pool.store(nullptr, std::memory_order_release); }
+std::atomic<bool> g_openmp{false};
+
+void after_fork_in_child() {
+    g_pool.store(nullptr, std::memory_order_release);
+    g_openmp.store(false);  // the parent's OpenMP threads do not exist here (libgomp would hang)
+}
 
 struct AtForkRegistration {
     AtForkRegistration() { pthread_atfork(nullptr, nullptr, &after_fork_in_child); }
@@ -161,6 +167,9 @@ int max_useful_threads() {
     return hc ? int(hc) : 1;
 }
 
+void set_openmp_backend(bool on) { g_openmp.store(on); }
+bool openmp_backend() { return g_openmp.load(); }
+
 int pool_threads() {
     Pool* p = g_pool.load(std::memory_order_acquire);
     return p ? p->threads.load() : 0;
@@ -169,6 +178,12 @@ int pool_threads() {
 void parallel_for(int64_t n, int threads, ItemFn body, void* ctx) {
     if (n <= 0) return;
     const int helpers = int(std::min<int64_t>({int64_t(threads) - 1, n - 1, int64_t(kMaxHelpers)}));
+    if (helpers > 0 && g_openmp.load(std::memory_order_relaxed) && !omp_in_parallel()) {
+        Job job{body, ctx, n, helpers};
+#pragma omp parallel num_threads(helpers + 1)
+        run_items(job);
+        return;
+    }
     Pool* P = helpers > 0 ? &pool() : nullptr;
     Slot* slot = nullptr;
     if (P) {

@@ -28,6 +28,14 @@ void parallel_for(int64_t n, int threads, ItemFn body, void* ctx);
 // Helper threads currently alive in this process (for tests and show_config).
 int pool_threads();
 
+// Backend of parallel_for. The pool (default) is described above. With the OpenMP backend the
+// items run in an OpenMP parallel region of the process's OpenMP runtime instead (same dynamic
+// claiming): chosen when fa2cpu runs inside PyTorch, whose libgomp is the one runtime of the
+// process, so fa2cpu's calls use torch's already-running threads instead of a second pool
+// competing with them for the cores. A child of fork() always goes back to the pool.
+void set_openmp_backend(bool on);
+bool openmp_backend();
+
 // Cap applied to any requested thread count: the CPUs this process may run on (at least 1).
 int max_useful_threads();
 
