@@ -13,6 +13,7 @@ adds flags to every file (e.g. sanitizers).
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,28 @@ except ImportError:  # pragma: no cover
     from setuptools._distutils.errors import CompileError, LinkError
 
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
-COMMON = ["-std=c++17", "-O3", "-fopenmp", "-fno-math-errno", "-fvisibility=hidden"]
+
+
+def _openmp_flags():
+    """(compile flags, link flags) for OpenMP. gcc and clang take -fopenmp; Apple's clang needs
+    -Xpreprocessor -fopenmp and libomp (Homebrew's, or LIBOMP_PREFIX)."""
+    if sys.platform != "darwin":
+        return ["-fopenmp"], ["-fopenmp"]
+    prefix = os.environ.get("LIBOMP_PREFIX")
+    if not prefix:
+        try:
+            prefix = subprocess.run(["brew", "--prefix", "libomp"], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            prefix = None
+    if not prefix:
+        return ["-Xpreprocessor", "-fopenmp"], ["-lomp"]
+    return (["-Xpreprocessor", "-fopenmp", f"-I{prefix}/include"],
+            [f"-L{prefix}/lib", "-lomp", f"-Wl,-rpath,{prefix}/lib"])
+
+
+OMP_COMPILE, OMP_LINK = _openmp_flags()
+COMMON = ["-std=c++17", "-O3", "-fno-math-errno", "-fvisibility=hidden"] + OMP_COMPILE
 AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 
 # family -> (source, extra flags, macro telling registry.cpp the family is built). Only these
@@ -103,7 +125,7 @@ class BuildExt(build_ext):
                      f"{self.compiler.compiler_so[0]!r} could not build a C++17 program. Install one (e.g. "
                      "`apt install g++`) or point CXX/CC at it.")
         if not self._try("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n",
-                         ["-std=c++17", "-fopenmp"], link=True):
+                         ["-std=c++17"] + OMP_COMPILE + OMP_LINK, link=True):
             sys.exit("fa2cpu: building needs OpenMP (the compiler flag -fopenmp and omp.h / libgomp or "
                      f"libomp); {self.compiler.compiler_so[0]!r} could not build an OpenMP program. With gcc "
                      "install libgomp (part of gcc); with clang install libomp-dev (Debian/Ubuntu) or "
@@ -146,7 +168,7 @@ class BuildExt(build_ext):
             objects = [o for objs in ex.map(family_objects, families.values()) for o in objs]
         ext.extra_objects = objects
         ext.extra_compile_args = COMMON + extra_debug
-        ext.extra_link_args = ["-fopenmp"] + extra_debug
+        ext.extra_link_args = OMP_LINK + extra_debug
         super().build_extension(ext)
 
 
