@@ -126,8 +126,9 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
 
 
 def max_threads():
-    """OpenMP's current maximum for the calling thread (follows OMP_NUM_THREADS/threadpoolctl)."""
-    return omp_get_max_threads()
+    """OpenMP's current maximum for the calling thread (follows OMP_NUM_THREADS/threadpoolctl);
+    with an external OpenMP runtime selected (fa2cpu.torch), that runtime's (torch.set_num_threads)."""
+    return c.backend_max_threads()
 
 
 def max_useful_threads():
@@ -141,16 +142,20 @@ def pool_threads():
     return c.pool_threads()
 
 
-def set_parallel_backend(str name):
-    """'pool' (fa2cpu's own threads, the default) or 'openmp' (the process's OpenMP runtime:
-    fa2cpu.torch selects it, so calls inside PyTorch run on torch's threads). See pool.h."""
+def set_parallel_backend(str name, size_t gomp_parallel=0, size_t max_threads=0):
+    """'pool' (fa2cpu's own threads, the default) or 'openmp' (an OpenMP runtime: fa2cpu.torch
+    selects it, so calls inside PyTorch run on torch's threads). gomp_parallel / max_threads:
+    addresses of another runtime's GOMP_parallel / omp_get_max_threads to use instead of the
+    one this extension links (0: ours). See csrc/driver/pool.h."""
     if name not in ("pool", "openmp"):
         raise ValueError(f"name: expected 'pool' or 'openmp', got {name!r}")
-    c.set_openmp_backend(name == "openmp")
+    c.set_openmp_backend(name == "openmp", <c.GompParallelFn>gomp_parallel, <c.MaxThreadsFn>max_threads)
 
 
 def parallel_backend():
-    return "openmp" if c.openmp_backend() else "pool"
+    if not c.openmp_backend():
+        return "pool"
+    return "openmp (external runtime)" if c.openmp_backend_is_foreign() else "openmp"
 
 
 def available_isas():

@@ -43,5 +43,9 @@ cdef extern from "fa2cpu/fa2cpu.h" namespace "fa2cpu" nogil:
 cdef extern from "driver/pool.h" namespace "fa2cpu" nogil:
     int max_useful_threads() except +
     int pool_threads() except +
-    void set_openmp_backend(bint on) except +
+    ctypedef void (*GompParallelFn)(void (*)(void*), void*, unsigned, unsigned) noexcept nogil
+    ctypedef int (*MaxThreadsFn)() noexcept nogil
+    void set_openmp_backend(bint on, GompParallelFn gomp_parallel, MaxThreadsFn max_threads) except +
     bint openmp_backend() except +
+    bint openmp_backend_is_foreign() except +
+    int backend_max_threads() except +

@@ -55,8 +55,30 @@ _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 # process's one libgomp (same soname), and torch's OpenMP threads keep spinning for milliseconds
 # after each op, so a second pool beside them got only part of the cores (in-model attention
 # 0.24-0.72x of sdpa on 16 cores; bench/RESULTS.md). FA2CPU_PARALLEL=pool keeps fa2cpu's own pool.
+def _torch_openmp_runtime():
+    """Addresses of GOMP_parallel and omp_get_max_threads in the OpenMP runtime torch loaded (its
+    own copy in torch/lib), or (0, 0) to use the one this extension links. Needed when they differ:
+    a repaired wheel bundles a renamed libgomp, a clang build links libomp."""
+    import ctypes
+    import glob
+    libdir = _os.path.join(_os.path.dirname(torch.__file__), "lib")
+    for path in sorted(glob.glob(_os.path.join(libdir, "lib*omp*.so*"))):
+        try:  # only a library torch has already loaded (RTLD_NOLOAD): never load a second runtime
+            lib = ctypes.CDLL(path, mode=getattr(_os, "RTLD_NOLOAD", 4) | getattr(_os, "RTLD_LAZY", 1))
+            return (ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value,
+                    ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value)
+        except (OSError, AttributeError):
+            continue
+    return 0, 0
+
+
+def _use_torch_threads():
+    """Run fa2cpu's parallel work on torch's OpenMP threads (done at import)."""
+    _core.set_parallel_backend("openmp", *_torch_openmp_runtime())
+
+
 if _os.environ.get("FA2CPU_PARALLEL", "").strip().lower() != "pool":
-    _core.set_parallel_backend("openmp")
+    _use_torch_threads()
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the kernels' dtypes

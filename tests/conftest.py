@@ -163,10 +163,17 @@ def parallel_backend(request):
     except ImportError:
         yield None
         return
+    def select(name):
+        if name.startswith("openmp"):
+            import fa2cpu.torch
+            fa2cpu.torch._use_torch_threads()
+        else:
+            _core.set_parallel_backend("pool")
+
     want = getattr(request.module, "PARALLEL_BACKEND", "pool")
     before = _core.parallel_backend()
-    _core.set_parallel_backend(want)
+    select(want)
     try:
         yield want
     finally:
-        _core.set_parallel_backend(before)
+        select(before)

@@ -598,7 +598,7 @@ def test_importing_fa2cpu_torch_selects_the_shared_openmp_runtime():
         q = np.random.default_rng(0).standard_normal((2, 4, 300, 32), dtype=np.float32)
         want = fa2cpu.flash_attention(q, q, q, num_threads=2)
         import fa2cpu.torch, torch
-        assert _core.parallel_backend() == "openmp"
+        assert _core.parallel_backend().startswith("openmp")
         assert np.array_equal(fa2cpu.flash_attention(q, q, q, num_threads=2), want)
         t = torch.from_numpy(q)
         assert np.array_equal(fa2cpu.torch.flash_attention(t, t, t, num_threads=2).numpy(), want)

@@ -146,10 +146,13 @@ Pool& pool() {
 }
 
 std::atomic<bool> g_openmp{false};
+std::atomic<GompParallelFn> g_gomp_parallel{nullptr};  // another runtime's GOMP_parallel, or ours
+std::atomic<MaxThreadsFn> g_max_threads{nullptr};
 
 void after_fork_in_child() {
     g_pool.store(nullptr, std::memory_order_release);
     g_openmp.store(false);  // the parent's OpenMP threads do not exist here (libgomp would hang)
+    g_gomp_parallel.store(nullptr);
 }
 
 struct AtForkRegistration {
@@ -167,8 +170,21 @@ int max_useful_threads() {
     return hc ? int(hc) : 1;
 }
 
-void set_openmp_backend(bool on) { g_openmp.store(on); }
+void set_openmp_backend(bool on, GompParallelFn gomp_parallel, MaxThreadsFn max_threads) {
+    g_gomp_parallel.store(on ? gomp_parallel : nullptr);
+    g_max_threads.store(on ? max_threads : nullptr);
+    g_openmp.store(on);
+}
 bool openmp_backend() { return g_openmp.load(); }
+bool openmp_backend_is_foreign() { return g_openmp.load() && g_gomp_parallel.load() != nullptr; }
+int backend_max_threads() {
+    const MaxThreadsFn f = g_openmp.load() ? g_max_threads.load() : nullptr;
+    return f ? f() : omp_get_max_threads();
+}
+
+namespace {
+void run_job_region(void* job) { run_items(*static_cast<Job*>(job)); }
+}  // namespace
 
 int pool_threads() {
     Pool* p = g_pool.load(std::memory_order_acquire);
@@ -178,11 +194,17 @@ int pool_threads() {
 void parallel_for(int64_t n, int threads, ItemFn body, void* ctx) {
     if (n <= 0) return;
     const int helpers = int(std::min<int64_t>({int64_t(threads) - 1, n - 1, int64_t(kMaxHelpers)}));
-    if (helpers > 0 && g_openmp.load(std::memory_order_relaxed) && !omp_in_parallel()) {
+    if (helpers > 0 && g_openmp.load(std::memory_order_relaxed)) {
         Job job{body, ctx, n, helpers};
+        if (const GompParallelFn gp = g_gomp_parallel.load()) {
+            gp(&run_job_region, &job, unsigned(helpers + 1), 0);  // that runtime serialises nesting itself
+            return;
+        }
+        if (!omp_in_parallel()) {
 #pragma omp parallel num_threads(helpers + 1)
-        run_items(job);
-        return;
+            run_items(job);
+            return;
+        }
     }
     Pool* P = helpers > 0 ? &pool() : nullptr;
     Slot* slot = nullptr;

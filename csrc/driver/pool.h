@@ -33,8 +33,15 @@ int pool_threads();
 // claiming): chosen when fa2cpu runs inside PyTorch, whose libgomp is the one runtime of the
 // process, so fa2cpu's calls use torch's already-running threads instead of a second pool
 // competing with them for the cores. A child of fork() always goes back to the pool.
-void set_openmp_backend(bool on);
+// gomp_parallel / max_threads, when not null, are another OpenMP runtime's `GOMP_parallel` and
+// `omp_get_max_threads` (libgomp's ABI, also exported by LLVM's libomp): the runtime torch loaded,
+// used even when this extension links a different copy (a wheel's bundled, renamed libgomp).
+using GompParallelFn = void (*)(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
+using MaxThreadsFn = int (*)();
+void set_openmp_backend(bool on, GompParallelFn gomp_parallel = nullptr, MaxThreadsFn max_threads = nullptr);
 bool openmp_backend();
+bool openmp_backend_is_foreign();  // true when the runtime given by set_openmp_backend is used
+int backend_max_threads();          // that runtime's omp_get_max_threads(), else ours
 
 // Cap applied to any requested thread count: the CPUs this process may run on (at least 1).
 int max_useful_threads();
