@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from .attention import _Options, _alibi, _data, _qkv, _threads
+from ._validate import _Options, _alibi, _cu_seqlens, _data, _dtype_code, _qkv, _same_dtype, _threads
 
 __all__ = ["flash_attention_backward", "flash_attention_varlen_backward"]
 
@@ -264,7 +264,6 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     the forward). Returns new ``(dq, dk, dv)`` in the input dtype; rows of a sequence without keys
     (and keys of a sequence without queries) get zero gradients.
     """
-    from .attention import _cu_seqlens, _dtype_code, _same_dtype
     q = _data("q", q); k = _data("k", k); v = _data("v", v)
     dout = _data("dout", dout); out = _data("out", out); lse = _data("lse", lse)
     _dtype_code("q", q)

@@ -41,7 +41,7 @@ import torch
 
 from . import _core
 from . import attention as _api
-from .attention import _int
+from ._validate import MAX_HEAD_DIM as _MAX_HEAD_DIM, _int
 from .backward import flash_attention_backward as _np_backward
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
@@ -84,7 +84,6 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the kernels' dtypes
 _ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)                 # types the direct path may convert
-_MAX_HEAD_DIM = _api.MAX_HEAD_DIM
 
 
 # ---------------------------------------------------------------------------------------------

@@ -60,13 +60,14 @@ from transformers.modeling_utils import AttentionInterface
 # The kernels as torch custom ops (autograd, torch.compile). Called as ``_ft.<name>`` at call time,
 # so a spy on ``fa2cpu.torch.flash_attention`` (tests) sees every call.
 from fa2cpu import torch as _ft
+from fa2cpu._validate import MAX_HEAD_DIM
 
 __all__ = ["register", "fa2cpu_attention_forward", "fa2cpu_mask", "KVCache", "MaskSpec"]
 
 _SPEC_ATTR = "_fa2cpu_mask_spec"       # attribute of a mask descriptor tensor
 _PENDING_ATTR = "_fa2cpu_kvcache_layer"  # attribute of the key tensor KVCache.update returns
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 256
+_MAX_HEAD_DIM = MAX_HEAD_DIM  # the kernels' limit (fa2cpu/_validate.py)
 _REGISTERED = set()
 
 
