@@ -12,6 +12,7 @@ adds flags to every file (e.g. sanitizers).
 """
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -51,18 +52,24 @@ def _openmp_flags():
 
 OMP_COMPILE, OMP_LINK = _openmp_flags()
 COMMON = ["-std=c++17", "-O3", "-fno-math-errno", "-fvisibility=hidden"] + OMP_COMPILE
-AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+CATALOGUE = "csrc/include/fa2cpu/catalogue.def"
 
-# family -> (source, extra flags, macro telling registry.cpp the family is built). Only these
-# files get ISA flags. The generic family is always built (the only one off x86).
-FAMILIES = {"generic": ("csrc/kernels/generic.cpp", [], "FA2CPU_HAVE_GENERIC")}
-if X86 and not os.environ.get("FA2CPU_FORCE_GENERIC"):
-    FAMILIES.update({
-        "avx2": ("csrc/kernels/avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], "FA2CPU_HAVE_AVX2"),
-        "avx512": ("csrc/kernels/avx512.cpp", AVX512, "FA2CPU_HAVE_AVX512"),
-        "avx512bf16": ("csrc/kernels/avx512bf16.cpp", AVX512 + ["-mavx512bf16"], "FA2CPU_HAVE_AVX512BF16"),
-        "amx": ("csrc/kernels/amx.cpp", AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"], "FA2CPU_HAVE_AMX"),
-    })
+
+def _catalogue():
+    """The families of csrc/include/fa2cpu/catalogue.def, best first: [(name, flags)]. Its row
+    index is the family's code (the bit of FA2CPU_BUILT_FAMILIES)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, CATALOGUE)) as f:
+        rows = re.findall(r'^FA2CPU_FAMILY\((\w+),\s*"([^"]*)"\)', f.read(), re.M)
+    if not rows or rows[-1][0] != "generic":
+        sys.exit(f"fa2cpu: {CATALOGUE} must list the families with 'generic' last")
+    return [(name, flags.split()) for name, flags in rows]
+
+
+# family -> (source, flags, code). Only these files get ISA flags; families with flags are
+# x86-only, and the generic family is always built (the only one off x86).
+FAMILIES = {name: (f"csrc/kernels/{name}.cpp", flags, code) for code, (name, flags) in enumerate(_catalogue())
+            if not flags or (X86 and not os.environ.get("FA2CPU_FORCE_GENERIC"))}
 INCLUDES = ["csrc/include", "csrc", np.get_include()]
 
 
@@ -133,19 +140,19 @@ class BuildExt(build_ext):
 
     def _families(self):
         disabled = {x.strip() for x in os.environ.get("FA2CPU_DISABLE", "").split(",") if x.strip()}
-        unknown = disabled - {"amx", "avx512bf16", "avx512", "avx2", "generic"}
+        unknown = disabled - {name for name, _ in _catalogue()}
         if unknown:
             sys.exit(f"fa2cpu: FA2CPU_DISABLE names unknown families {sorted(unknown)}")
         if "generic" in disabled:
             sys.exit("fa2cpu: the generic family cannot be disabled (it is the fallback on every CPU)")
         chosen = {}
-        for name, (src, flags, macro) in FAMILIES.items():
+        for name, (src, flags, code) in FAMILIES.items():
             if name in disabled:
                 print(f"fa2cpu: leaving out family {name!r} (FA2CPU_DISABLE)")
             elif flags and not self._try("int main() { return 0; }\n", COMMON + flags):
                 print(f"fa2cpu: leaving out family {name!r}: the compiler rejects {' '.join(flags)}")
             else:
-                chosen[name] = (src, flags, macro)
+                chosen[name] = (src, flags, code)
         return chosen
 
     def build_extension(self, ext):
@@ -154,9 +161,8 @@ class BuildExt(build_ext):
         _parallel_compile(self.compiler, jobs)
         extra_debug = os.environ.get("FA2CPU_EXTRA_CFLAGS", "").split()
         families = self._families()
-        macros = [(macro, "1") for _, _, macro in families.values()]
-        if X86:
-            macros.append(("FA2CPU_X86", "1"))
+        built = sum(1 << code for _, _, code in families.values())
+        macros = [("FA2CPU_BUILT_FAMILIES", f"{built}ull")]
         ext.define_macros = list(ext.define_macros or []) + macros
 
         def family_objects(item):

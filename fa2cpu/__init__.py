@@ -27,7 +27,7 @@ __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kv
            "flash_attention_varlen_backward",
            "available_isas", "get_isa", "set_isa", "show_config", "__version__"]
 
-ISA_FAMILIES = ("amx", "avx512bf16", "avx512", "avx2", "generic")  # best first
+ISA_FAMILIES = _core.ISA_NAMES  # best first (csrc/include/fa2cpu/catalogue.def)
 
 
 def available_isas():

@@ -12,8 +12,9 @@ from fa2cpu cimport _cpp as c
 
 cnp.import_array()
 
-ISA_NAMES = ("amx", "avx512bf16", "avx512", "avx2", "generic")
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+# The catalogue (csrc/include/fa2cpu/catalogue.def), as the C++ core was built with it.
+ISA_NAMES = tuple(c.isa_name(i).decode() for i in range(c.isa_count()))  # best first
+DTYPE_CODES = {c.dtype_name(i).decode(): i for i in range(c.dtype_count())}  # NumPy name -> code
 
 
 cdef inline void _strides4(cnp.ndarray a, int64_t* s):
@@ -65,30 +66,30 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     p.d = cnp.PyArray_DIM(q, 3)
     p.dv = cnp.PyArray_DIM(v, 3)
     p.q = cnp.PyArray_DATA(q); _strides4(q, s)
-    p.q_sb, p.q_sh, p.q_sn, p.q_sd = s[0], s[1], s[2], s[3]
+    p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.q_dim_stride = s[0], s[1], s[2], s[3]
     p.k = cnp.PyArray_DATA(k); _strides4(k, s)
-    p.k_sb, p.k_sh, p.k_sn, p.k_sd = s[0], s[1], s[2], s[3]
+    p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.k_dim_stride = s[0], s[1], s[2], s[3]
     p.v = cnp.PyArray_DATA(v); _strides4(v, s)
-    p.v_sb, p.v_sh, p.v_sn, p.v_sd = s[0], s[1], s[2], s[3]
+    p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.v_dim_stride = s[0], s[1], s[2], s[3]
     p.out = cnp.PyArray_DATA(out); _strides4(out, s)
-    p.o_sb, p.o_sh, p.o_sn, p.o_sd = s[0], s[1], s[2], s[3]
+    p.out_batch_stride, p.out_head_stride, p.out_row_stride, p.out_dim_stride = s[0], s[1], s[2], s[3]
     p.lse = NULL
     if lse is not None:
         a = lse
         p.lse = <float*>cnp.PyArray_DATA(a)
-        p.l_sb = cnp.PyArray_STRIDES(a)[0] // 4
-        p.l_sh = cnp.PyArray_STRIDES(a)[1] // 4
-        p.l_sn = cnp.PyArray_STRIDES(a)[2] // 4
+        p.lse_batch_stride = cnp.PyArray_STRIDES(a)[0] // 4
+        p.lse_head_stride = cnp.PyArray_STRIDES(a)[1] // 4
+        p.lse_row_stride = cnp.PyArray_STRIDES(a)[2] // 4
     p.scale = scale
     p.softcap = softcap
-    p.win_left = win_left
-    p.win_right = win_right
+    p.window_left = win_left
+    p.window_right = win_right
     p.alibi = NULL
     if alibi is not None:
         a = alibi
         p.alibi = <const float*>cnp.PyArray_DATA(a)
-        p.al_sb = cnp.PyArray_STRIDES(a)[0] // 4
-        p.al_sh = cnp.PyArray_STRIDES(a)[1] // 4
+        p.alibi_batch_stride = cnp.PyArray_STRIDES(a)[0] // 4
+        p.alibi_head_stride = cnp.PyArray_STRIDES(a)[1] // 4
     p.mask = NULL
     p.mask_kind = 0
     if mask is not None:
@@ -96,24 +97,24 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         p.mask = cnp.PyArray_DATA(a)
         p.mask_kind = mask_kind
         _strides4(a, s)
-        p.m_sb, p.m_sh, p.m_sq, p.m_sk = s[0], s[1], s[2], s[3]
-    p.cu_q = NULL
-    p.cu_k = NULL
+        p.mask_batch_stride, p.mask_head_stride, p.mask_query_stride, p.mask_key_stride = s[0], s[1], s[2], s[3]
+    p.cu_seqlens_q = NULL
+    p.cu_seqlens_k = NULL
     p.seqlen_k = NULL
     p.block_table = NULL
     if cu_q is not None:
         a = cu_q
-        p.cu_q = <const int64_t*>cnp.PyArray_DATA(a)
+        p.cu_seqlens_q = <const int64_t*>cnp.PyArray_DATA(a)
     if cu_k is not None:
         a = cu_k
-        p.cu_k = <const int64_t*>cnp.PyArray_DATA(a)
+        p.cu_seqlens_k = <const int64_t*>cnp.PyArray_DATA(a)
     if seqlen_k is not None:
         a = seqlen_k
         p.seqlen_k = <const int64_t*>cnp.PyArray_DATA(a)
     if block_table is not None:
         a = block_table
         p.block_table = <const int32_t*>cnp.PyArray_DATA(a)
-        p.bt_sb = cnp.PyArray_STRIDES(a)[0] // 4
+        p.block_table_batch_stride = cnp.PyArray_STRIDES(a)[0] // 4
         p.block_size = block_size
     p.num_threads = num_threads
     p.num_splits = num_splits
@@ -159,7 +160,7 @@ def parallel_backend():
 
 
 def available_isas():
-    cdef int codes[8]
+    cdef int codes[64]
     cdef int n = c.available_isas(codes)
     return [ISA_NAMES[codes[i]] for i in range(n)]
 
@@ -186,7 +187,7 @@ def peak_gflops(str family, str dtype, int threads, double seconds=0.2):
     `threads` threads, for about `seconds`. 0.0 when the family cannot run here."""
     if family not in ISA_NAMES:
         raise ValueError(f"family: unknown {family!r}; expected one of {ISA_NAMES}")
-    code = {"fp32": 0, "float32": 0, "fp16": 1, "float16": 1, "bf16": 2, "bfloat16": 2}.get(dtype)
+    code = DTYPE_CODES.get({"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype))
     if code is None:
         raise ValueError(f"dtype: unknown {dtype!r}; expected 'fp32', 'bf16' or 'fp16'")
     if threads < 1:

@@ -6,32 +6,36 @@ cdef extern from "fa2cpu/fa2cpu.h" namespace "fa2cpu" nogil:
     cdef cppclass Params:
         int dtype
         int64_t batch, hq, hk, d, dv, nq, nk
-        const int64_t* cu_q
-        const int64_t* cu_k
+        const int64_t* cu_seqlens_q
+        const int64_t* cu_seqlens_k
         const int64_t* seqlen_k
         const int32_t* block_table
-        int64_t bt_sb, block_size
+        int64_t block_table_batch_stride, block_size
         const void* q
-        int64_t q_sb, q_sh, q_sn, q_sd
+        int64_t q_batch_stride, q_head_stride, q_row_stride, q_dim_stride
         const void* k
-        int64_t k_sb, k_sh, k_sn, k_sd
+        int64_t k_batch_stride, k_head_stride, k_row_stride, k_dim_stride
         const void* v
-        int64_t v_sb, v_sh, v_sn, v_sd
+        int64_t v_batch_stride, v_head_stride, v_row_stride, v_dim_stride
         void* out
-        int64_t o_sb, o_sh, o_sn, o_sd
+        int64_t out_batch_stride, out_head_stride, out_row_stride, out_dim_stride
         float* lse
-        int64_t l_sb, l_sh, l_sn
+        int64_t lse_batch_stride, lse_head_stride, lse_row_stride
         float scale, softcap
-        int64_t win_left, win_right
+        int64_t window_left, window_right
         const float* alibi
-        int64_t al_sb, al_sh
+        int64_t alibi_batch_stride, alibi_head_stride
         int mask_kind
         const void* mask
-        int64_t m_sb, m_sh, m_sq, m_sk
+        int64_t mask_batch_stride, mask_head_stride, mask_query_stride, mask_key_stride
         int num_threads, num_splits
 
     int forward(const Params& p) except +
     int available_isas(int* out) except +
+    int isa_count() except +
+    const char* isa_name(int isa) except +
+    int dtype_count() except +
+    const char* dtype_name(int dtype) except +
     bint isa_compiled(int isa) except +
     bint isa_usable(int isa) except +
     int get_isa() except +

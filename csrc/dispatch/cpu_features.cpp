@@ -33,8 +33,10 @@ static bool request_amx_permission() {
 #endif
 }
 
+// The families' CPU checks (one line each below, f.<family> = ...); generic needs nothing.
 static CpuFeatures detect() {
     CpuFeatures f;
+    f.generic = true;
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
     const unsigned max_leaf = a;
@@ -60,7 +62,11 @@ static CpuFeatures detect() {
     return f;
 }
 #else
-static CpuFeatures detect() { return CpuFeatures{}; }
+static CpuFeatures detect() {
+    CpuFeatures f;
+    f.generic = true;
+    return f;
+}
 #endif
 
 const CpuFeatures& cpu_features() {

@@ -2,12 +2,11 @@
 #include <cstdint>
 
 namespace fa2cpu {
-// What this CPU + OS can run (each flag implies the ones below it).
+// What this CPU + OS can run: one flag per family of catalogue.def, set by cpu_features.cpp
+// (generic is always true). Each x86 flag implies the ones of the families after it.
 struct CpuFeatures {
-    bool amx = false;         // AMX-TILE + AMX-BF16, XCR0 tile state, Linux permission granted
-    bool avx512bf16 = false;  // AVX512_BF16 on top of avx512
-    bool avx512 = false;      // AVX-512 F/DQ/BW/VL with ZMM state enabled
-    bool avx2 = false;        // AVX2 + FMA + F16C with YMM state enabled
+#define FA2CPU_FAMILY(name, flags) bool name = false;
+#include "fa2cpu/catalogue.def"
 };
 const CpuFeatures& cpu_features();
 }  // namespace fa2cpu

@@ -33,7 +33,7 @@ struct MergeGroup {
     int64_t splits;
 };
 
-// Per-thread scratch, reused across calls (OpenMP keeps its threads alive).
+// Per-thread scratch, reused across calls (the pool keeps its threads alive).
 struct ThreadScratch {
     float* ptr = nullptr;
     int64_t floats = 0;
@@ -54,79 +54,83 @@ struct Plan {
     std::vector<double> cost;
     std::vector<MergeGroup> merges;
     int64_t part_rows = 0;
-    int64_t max_rows = 1;
+    int64_t route_rows[kMaxRoutes] = {};  // most rows of an item per route (sizes the scratch)
 };
 
+// The first of the family's routes that serves a sequence with `rows_per_kv_head` rows per kv head.
+int pick_route(const Params& p, const KernelTable& T, int64_t rows_per_kv_head) {
+    for (int r = 0; r < T.num_routes; ++r)
+        if (T.routes[r].serves(p, rows_per_kv_head)) return r;
+    return T.num_routes - 1;  // the last route serves everything (make_table's contract)
+}
+
+// Work items: per sequence, the route that serves it decides the item shape (rows, kv heads
+// spanned) and the key tile; items are then split along the key axis (flash-decoding) when there
+// are too few for the threads, at the route's tile boundaries.
 Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     Plan plan;
     const int64_t G = p.hq / p.hk;
     struct Base { WorkItem it; int64_t kb, ke; double cost; };
     std::vector<Base> bases;
-    // Decode items may cover several kv heads when the cache interleaves heads within a position
-    // ((B, N, H, D) layouts, paged or not): their K/V rows for a key are then one contiguous run,
-    // streamed once, instead of one short run per item a head-size stride apart. Only where the
-    // decode policy reads K/V in place (unit feature stride): its packed tiles hold one head.
-    const bool heads_interleaved = p.k_sd == 1 && p.v_sd == 1 &&
-                                   std::llabs(p.k_sh) <= std::llabs(p.k_sn) && std::llabs(p.v_sh) <= std::llabs(p.v_sn);
+    auto add = [&](WorkItem it, int64_t nq, int64_t nk) {
+        int64_t lo0, hi0, lo1, hi1;
+        visible_range(p, nq, nk, it.i0, &lo0, &hi0);
+        visible_range(p, nq, nk, it.i1 - 1, &lo1, &hi1);
+        const int64_t kb = std::min(lo0, lo1), ke = std::max(hi0, hi1) + 1;
+        const double rows = double((it.g1 - it.g0) * (it.i1 - it.i0));
+        bases.push_back({it, kb, ke, rows * double(std::max<int64_t>(0, ke - kb) + 64)});
+    };
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         if (nq <= 0) continue;
-        if (T.decode_rows > 0 && heads_interleaved && p.hk > 1 && G * nq <= T.decode_rows_per_head) {
-            const int64_t span = std::max<int64_t>(1, std::min<int64_t>(p.hk, T.decode_rows / (G * nq)));
-            int64_t lo0, hi0, lo1, hi1;
-            visible_range(p, nq, nk, 0, &lo0, &hi0);
-            visible_range(p, nq, nk, nq - 1, &lo1, &hi1);
-            const int64_t kb = std::min(lo0, lo1), ke = std::max(hi0, hi1) + 1;
-            for (int64_t hkv = 0; hkv < p.hk; hkv += span) {
-                const int64_t n = std::min(span, p.hk - hkv);
-                WorkItem it{int32_t(b), int32_t(hkv), 0, int32_t(n * G), 0, nq, 0, nk, -1, int32_t(n)};
-                bases.push_back({it, kb, ke, double(n * G * nq) * double(std::max<int64_t>(0, ke - kb) + 64)});
+        const int route = pick_route(p, T, G * nq);
+        const Route& R = T.routes[route];
+        const int64_t span = std::min<int64_t>(p.hk, std::max<int64_t>(1, R.kv_heads_per_item(p, G * nq)));
+        if (span > 1) {  // all rows of `span` kv heads per item
+            for (int64_t h = 0; h < p.hk; h += span) {
+                const int64_t n = std::min(span, p.hk - h);
+                add(WorkItem{int32_t(b), int32_t(h), 0, int32_t(n * G), 0, nq, 0, nk, -1, int32_t(n), route}, nq, nk);
             }
             continue;
         }
-        // Rows per item: all heads of the GQA group together (K/V packed once for all of them),
-        // as many query positions as fit in max_rows, chunks balanced so none is a sliver.
-        const int64_t gh = std::min<int64_t>(G, T.max_rows);
-        const int64_t want = std::max<int64_t>(1, T.max_rows / gh);
+        // Rows per item: all heads of the GQA group together (K/V tiles packed once for all of
+        // them), as many query positions as fit in max_rows, chunks balanced so none is a sliver.
+        const int64_t gh = std::min<int64_t>(G, R.max_rows);
+        const int64_t want = std::max<int64_t>(1, R.max_rows / gh);
         const int64_t chunks = (nq + want - 1) / want;
         const int64_t nqi = (nq + chunks - 1) / chunks;
-        for (int64_t hkv = 0; hkv < p.hk; ++hkv)
+        for (int64_t h = 0; h < p.hk; ++h)
             for (int64_t g0 = 0; g0 < G; g0 += gh)
                 for (int64_t i0 = 0; i0 < nq; i0 += nqi) {
-                    const int64_t i1 = std::min(nq, i0 + nqi);
-                    int64_t lo0, hi0, lo1, hi1;
-                    visible_range(p, nq, nk, i0, &lo0, &hi0);
-                    visible_range(p, nq, nk, i1 - 1, &lo1, &hi1);
-                    const int64_t kb = std::min(lo0, lo1), ke = std::max(hi0, hi1) + 1;
-                    const int64_t g1 = std::min(G, g0 + gh);
-                    WorkItem it{int32_t(b), int32_t(hkv), int32_t(g0), int32_t(g1), i0, i1, 0, nk, -1};
-                    const double span = double(std::max<int64_t>(0, ke - kb));
-                    bases.push_back({it, kb, ke, double((g1 - g0) * (i1 - i0)) * (span + 64.0)});
+                    const int64_t g1 = std::min(G, g0 + gh), i1 = std::min(nq, i0 + nqi);
+                    add(WorkItem{int32_t(b), int32_t(h), int32_t(g0), int32_t(g1), i0, i1, 0, nk, -1, 1, route}, nq, nk);
                 }
     }
     const int64_t nbase = int64_t(bases.size());
     for (const Base& bs : bases) {
         const int64_t rows = (bs.it.g1 - bs.it.g0) * (bs.it.i1 - bs.it.i0);
-        plan.max_rows = std::max(plan.max_rows, rows);
+        const int64_t tile = T.routes[bs.it.route].kv_tile;
+        int64_t& route_rows = plan.route_rows[bs.it.route];
+        route_rows = std::max(route_rows, rows);
         const int64_t span = bs.ke - bs.kb;
         int64_t splits = p.num_splits;
         if (splits == 0) {
             const int64_t want = (int64_t(threads) * kMinItemsPerThread + nbase - 1) / std::max<int64_t>(nbase, 1);
             splits = std::min(want, span / kMinKeysPerSplit);
         }
-        // Splits never cut a K/V tile in two, and each holds at least one tile.
-        splits = std::max<int64_t>(1, std::min(splits, (span + T.kv_tile - 1) / T.kv_tile));
+        // Splits never cut one of the route's K/V tiles in two, and each holds at least one tile.
+        const int64_t tiles = (span + tile - 1) / tile;
+        splits = std::max<int64_t>(1, std::min(splits, tiles));
         if (splits == 1) {
             plan.items.push_back(bs.it);
             plan.cost.push_back(bs.cost);
             continue;
         }
-        const int64_t tiles = (span + T.kv_tile - 1) / T.kv_tile;
         MergeGroup mg{bs.it, plan.part_rows, splits};
         for (int64_t s = 0; s < splits; ++s) {
             WorkItem it = bs.it;
-            it.kb = bs.kb + (tiles * s / splits) * T.kv_tile;
-            it.ke = std::min(bs.ke, bs.kb + (tiles * (s + 1) / splits) * T.kv_tile);
+            it.kb = bs.kb + (tiles * s / splits) * tile;
+            it.ke = std::min(bs.ke, bs.kb + (tiles * (s + 1) / splits) * tile);
             it.part = plan.part_rows + s * rows;
             plan.items.push_back(it);
             plan.cost.push_back(bs.cost / double(splits));
@@ -175,10 +179,10 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
         }
         const float inv = total == 0.f ? 0.f : 1.f / total;
         const float lse2 = total == 0.f ? -INFINITY : mx + std::log2(total);
-        const int64_t h = it.hkv * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
-        const int64_t ob = q_row_offset(p, it.b, i, p.o_sb, p.o_sn) + h * p.o_sh;
-        for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, acc[j] * inv, dt);
-        if (p.lse) p.lse[q_row_offset(p, it.b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * kLn2;
+        const int64_t h = it.kv_head * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
+        const int64_t out_at = q_row_offset(p, it.b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
+        for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, out_at + j * p.out_dim_stride, acc[j] * inv, dt);
+        if (p.lse) p.lse[q_row_offset(p, it.b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride] = lse2 * kLn2;
     }
 }
 
@@ -188,13 +192,13 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
 // a Python ValueError through the Cython `except +`).
 void check_params(const Params& p) {
     auto fail = [](const std::string& what) { throw std::invalid_argument("fa2cpu::forward: " + what); };
-    if (p.dtype < 0 || p.dtype > 2) fail("dtype code must be 0, 1 or 2");
+    if (p.dtype < 0 || p.dtype >= int(DType::count)) fail("dtype code out of range");
     if (p.batch < 0 || p.hq < 0 || p.nq < 0 || p.nk < 0) fail("batch, hq, nq and nk must be >= 0");
     if (p.hk < 1) fail("hk must be >= 1");
     if (p.hq % p.hk) fail("hq must be a multiple of hk");
     if (p.d < 1 || p.d > kMaxHeadDim || p.dv < 1 || p.dv > kMaxHeadDim)
         fail("head dims d and dv must be in 1.." + std::to_string(kMaxHeadDim));
-    if (p.win_left < -1 || p.win_right < -1) fail("window bounds must be >= -1");
+    if (p.window_left < -1 || p.window_right < -1) fail("window bounds must be >= -1");
     if (p.num_splits < 0) fail("num_splits must be >= 0");
     if (p.mask_kind < 0 || p.mask_kind > 2 || (p.mask_kind != 0) != (p.mask != nullptr))
         fail("mask_kind must be 0 without a mask, 1 or 2 with one");
@@ -220,7 +224,8 @@ void run_item_on_thread(int64_t i, void* c) {
         x.failed.store(1, std::memory_order_relaxed);
         return;
     }
-    x.T->run_item(*x.p, x.plan->items[size_t(i)], scratch, x.parts);
+    const WorkItem& it = x.plan->items[size_t(i)];
+    x.T->routes[it.route].run_item(*x.p, it, scratch, x.parts);
 }
 
 void merge_on_thread(int64_t g, void* c) {
@@ -248,7 +253,10 @@ int forward(const Params& p) {
     ctx.T = &T;
     ctx.plan = &plan;
     ctx.parts = Partials{part_o.data(), part_lse.data()};
-    ctx.scratch_floats = T.scratch_floats(p, plan.max_rows);
+    ctx.scratch_floats = 0;
+    for (int r = 0; r < T.num_routes; ++r)
+        if (plan.route_rows[r] > 0)
+            ctx.scratch_floats = std::max(ctx.scratch_floats, T.routes[r].scratch_floats(p, plan.route_rows[r]));
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
     if (ctx.failed.load()) return 1;
     parallel_for(int64_t(plan.merges.size()), threads, &merge_on_thread, &ctx);

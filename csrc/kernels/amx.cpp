@@ -1,8 +1,8 @@
 // Family "amx": Intel AMX-BF16 tiles for both GEMMs of bfloat16 attention, AVX-512 for the softmax.
-// Built with the avx512bf16 flags plus -mamx-tile -mamx-bf16 (setup.py). float32 / float16 inputs
-// run the float32 AVX-512 kernels; items of at most 16 rows (decode) run the AVX-512 decode
-// policy (gemm_decode.h), and bf16 items with fewer than kMinAmxRows rows the AVX-512-BF16
-// kernels: a 32-row tile block would be mostly padding.
+// Built with the flags of its catalogue.def row. Routes, first serving wins: the AVX-512 decode
+// route (<= 16 rows per kv head, gemm_decode.h), AMX for bf16 with >= kMinAmxRows rows per kv
+// head, the AVX-512-BF16 kernels for shorter bf16 sequences (a 32-row tile block would be mostly
+// padding), the float32 AVX-512 kernels for float32 / float16.
 //
 // Same "rows in lanes" tile loop as every family (tile_loop.h); the AMX GEMM policy computes
 //   S^T[16 keys][16 rows] += K[16 keys][32 d] (A, bf16 rows)  x  Qpairs[16 pairs][16 rows] (B, VNNI)
@@ -18,7 +18,9 @@
 
 #include "common/gemm_bf16.h"
 #include "common/gemm_decode.h"
+#include "common/gemm_f32.h"
 #include "common/probe.h"
+#include "common/routes.h"
 #include "common/tile_loop.h"
 #include "common/vec_avx512.h"
 
@@ -51,11 +53,11 @@ struct AmxGemm : TransposedO<V512> {
 #define FA2CPU_AMX_BC 256
 #endif
     static constexpr int64_t BC = FA2CPU_AMX_BC;
-    static constexpr bool kPostScale = true;
-    static constexpr bool kScaleInSoftmax = true;  // tiles are stored unscaled; the softmax scales
-    static constexpr bool kPairedP = true;         // softmax writes P as bf16 pairs (gemm_bf16.h)
-    static constexpr bool kTilesInBlocks = false;
+    static constexpr int64_t kMaxRows = V512::MAX_ROWS;
     static constexpr int64_t kRowAlign = 32;
+    static constexpr ScaleAt kScaleAt = ScaleAt::softmax;    // tiles are stored unscaled
+    static constexpr PStore kPStore = PStore::bf16_pairs;    // gemm_bf16.h's pair layout
+    static constexpr bool kTilesEndAtBlocks = false;
     static_assert(RB % 32 == 0 && BC % 32 == 0, "whole 2x2 tile blocks");
 
     static int64_t d2p(int64_t D) { return round_up((D + 1) / 2, 16); }  // Q pair rows
@@ -66,7 +68,6 @@ struct AmxGemm : TransposedO<V512> {
     static int64_t v_floats(int64_t Dv) { return o_rows(Dv) * BC / 2; }
     static int64_t p_floats() { return BC / 2 * RB; }
 
-    static const float* q_at(const float* qbuf, int64_t r0, int64_t, int64_t) { return qbuf + r0; }
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
         Bf16Gemm<V512>::pack_q_row(qbuf, M, r, row, D, 1.f);
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
@@ -79,33 +80,30 @@ struct AmxGemm : TransposedO<V512> {
 
     // K rows as A tiles: in place for unpaged contiguous bf16 with D % 32 == 0 and a whole
     // number of 32-key blocks; else packed [round_up(nc,32)][round_up(D,32)] with zeros.
-    static const void* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+    static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t D = p.d, Dp = round_up(D, 32);
         const uint16_t* k = static_cast<const uint16_t*>(p.k);
-        if (p.k_sd == 1 && D % 32 == 0 && nc % 32 == 0 && !p.block_table) {
-            *ld = p.k_sn;
-            return k + k_row_offset(p, b, c0, p.k_sb, p.k_sn) + head;
-        }
+        if (p.k_dim_stride == 1 && D % 32 == 0 && nc % 32 == 0 && !p.block_table)
+            return {k + k_row_offset(p, b, c0, p.k_batch_stride, p.k_row_stride) + head, p.k_row_stride, 0, 0};
         uint16_t* out = reinterpret_cast<uint16_t*>(buf);
         for (int64_t c = 0; c < round_up(nc, 32); ++c) {
             uint16_t* o = out + c * Dp;
             int64_t d = 0;
             if (c < nc) {
-                const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + head;
-                if (p.k_sd == 1) { std::memcpy(o, src, size_t(D) * 2); d = D; }
-                else for (; d < D; ++d) o[d] = src[d * p.k_sd];
+                const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_batch_stride, p.k_row_stride) + head;
+                if (p.k_dim_stride == 1) { std::memcpy(o, src, size_t(D) * 2); d = D; }
+                else for (; d < D; ++d) o[d] = src[d * p.k_dim_stride];
             }
             for (; d < Dp; ++d) o[d] = 0;
         }
-        *ld = Dp;
-        return out;
+        return {out, Dp, 0, 0};
     }
 
     // V^T [round_up(Dv,32)][BC] bf16, zero past nc keys and Dv columns. Built from 16 x 16
     // blocks of key pairs: row i of a block is (V[2i][j], V[2i+1][j]) for 16 columns j, as one
     // uint32 each (the bf16 pair layout); transposing the block in registers gives, per column j,
     // 16 consecutive pairs = 32 consecutive keys of V^T row j.
-    static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+    static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t Dv = p.dv, Dvp = o_rows(Dv), ncp = round_up(nc, 32);
         const uint16_t* v = static_cast<const uint16_t*>(p.v);
         uint32_t* out = reinterpret_cast<uint32_t*>(buf);  // [Dvp][BC / 2] pairs
@@ -113,14 +111,14 @@ struct AmxGemm : TransposedO<V512> {
             const uint16_t* rows[32];
             for (int i = 0; i < 32; ++i) {
                 const int64_t c = 2 * c2 + i;
-                rows[i] = c < nc ? v + k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + head : nullptr;
+                rows[i] = c < nc ? v + k_row_offset(p, b, c0 + c, p.v_batch_stride, p.v_row_stride) + head : nullptr;
             }
             for (int64_t j = 0; j < Dvp; j += 16) {
                 __m512i r[16];
                 for (int i = 0; i < 16; ++i) {
                     const uint16_t* lo = rows[2 * i];
                     const uint16_t* hi = rows[2 * i + 1];
-                    if (p.v_sd == 1 && j + 16 <= Dv) {
+                    if (p.v_dim_stride == 1 && j + 16 <= Dv) {
                         const __m512i a = lo ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + j)))
                                              : _mm512_setzero_si512();
                         const __m512i h = hi ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + j)))
@@ -130,8 +128,8 @@ struct AmxGemm : TransposedO<V512> {
                         alignas(64) uint32_t tmp[16];
                         for (int t = 0; t < 16; ++t) {
                             const int64_t col = j + t;
-                            const uint16_t x = lo && col < Dv ? lo[col * p.v_sd] : 0;
-                            const uint16_t y = hi && col < Dv ? hi[col * p.v_sd] : 0;
+                            const uint16_t x = lo && col < Dv ? lo[col * p.v_dim_stride] : 0;
+                            const uint16_t y = hi && col < Dv ? hi[col * p.v_dim_stride] : 0;
                             tmp[t] = uint32_t(x) | (uint32_t(y) << 16);
                         }
                         r[i] = _mm512_load_si512(tmp);
@@ -141,16 +139,15 @@ struct AmxGemm : TransposedO<V512> {
                 for (int t = 0; t < 16; ++t) _mm512_storeu_si512(out + (j + t) * (BC / 2) + c2, r[t]);
             }
         }
-        *ld = BC;
-        return out;
+        return {out, BC, 0, 0};
     }
 
     // S^T block (keys x rows) of nv 16-row vectors (nv even, M multiple of 32), unscaled.
-    static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
-                   int64_t nc, float* s, float /*post_scale: kScaleInSoftmax*/, RowHeads) {
-        const uint32_t* q = reinterpret_cast<const uint32_t*>(qbuf);
-        const uint16_t* k = static_cast<const uint16_t*>(kt);
-        const int64_t D2p = d2p(D), ncp = round_up(nc, 32);
+    static void qk(const ItemOperands& x, const RowBlock& rows, const KvTile& kt, int64_t nc, float* s) {
+        const uint32_t* q = reinterpret_cast<const uint32_t*>(x.q) + rows.r0;
+        const uint16_t* k = static_cast<const uint16_t*>(kt.data);
+        const int64_t D2p = d2p(x.d), ncp = round_up(nc, 32), ldk = kt.ld, M = x.M;
+        const int nv = rows.vectors;
         for (int64_t c = 0; c < ncp; c += 32) {
             for (int r = 0; r < nv * W; r += 32) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -176,14 +173,15 @@ struct AmxGemm : TransposedO<V512> {
 
     // O^T += V^T P^T on 2 x 2 tile blocks, from the P pairs the softmax wrote (zero-padded here
     // to whole 32-key blocks).
-    static void pv(int nv, int /*rows*/, float* /*s*/, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
-                   int64_t r0, int64_t M, float* pbuf, RowHeads) {
-        oT += r0;
-        uint32_t* pb = reinterpret_cast<uint32_t*>(pbuf);
+    static void pv(const ItemOperands& x, const RowBlock& rows, float*, int64_t nc, const KvTile& vt) {
+        float* oT = x.o + rows.r0;
+        uint32_t* pb = reinterpret_cast<uint32_t*>(x.p_pairs);
+        const int64_t M = x.M, ldv = vt.ld, Dv = x.dv;
+        const int nv = rows.vectors;
         const int64_t ncp = round_up(nc, 32);
         for (int64_t c2 = (nc + 1) / 2; c2 < ncp / 2; ++c2)
             for (int v = 0; v < nv; ++v) _mm512_storeu_si512(pb + c2 * RB + v * W, _mm512_setzero_si512());
-        const uint16_t* vT = static_cast<const uint16_t*>(vt);
+        const uint16_t* vT = static_cast<const uint16_t*>(vt.data);
         const int64_t Dvp = o_rows(Dv);
         for (int64_t j = 0; j < Dvp; j += 32) {
             for (int r = 0; r < nv * W; r += 32) {
@@ -209,26 +207,15 @@ struct AmxGemm : TransposedO<V512> {
     }
 };
 
-using LoopF32 = TileLoop<V512, F32Gemm<V512>>;
-using LoopBf16 = TileLoop<V512, Bf16Gemm<V512>>;
-using LoopAmx = TileLoop<V512, AmxGemm>;
-
-int64_t scratch_floats(const Params& p, int64_t rows) {
-    const int64_t d = decode_scratch_floats(p, rows);
-    const int64_t a = DType(p.dtype) != DType::bf16 ? LoopF32::scratch_floats(p, rows)
-                                                     : std::max(LoopAmx::scratch_floats(p, rows), LoopBf16::scratch_floats(p, rows));
-    return a > d ? a : d;
-}
-
-void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
-    if (is_decode_item(it)) return run_decode_item(p, it, scratch, parts);
-    if (DType(p.dtype) != DType::bf16) return LoopF32::run_item(p, it, scratch, parts);
-    const int64_t rows = int64_t(it.g1 - it.g0) * (it.i1 - it.i0);
-    if (rows < kMinAmxRows) return LoopBf16::run_item(p, it, scratch, parts);
-    configure_tiles();  // per item: cheap next to a 32+ row item, and robust to other tile users
-    LoopAmx::run_item(p, it, scratch, parts);
-    _tile_release();
-}
+// The AMX tile loop: tiles configured per item (cheap next to a 32+ row item, and robust to other
+// tile users in the thread), released after it.
+struct AmxLoop : TileLoop<V512, AmxGemm> {
+    static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+        configure_tiles();
+        TileLoop<V512, AmxGemm>::run_item(p, it, scratch, parts);
+        _tile_release();
+    }
+};
 
 // tdpbf16ps peak: 4 independent accumulator tiles, 16 x 16 x 32 multiply-adds per instruction.
 double amx_peak(double seconds) {
@@ -261,6 +248,9 @@ double peak(int dtype, double seconds) {
 
 }  // namespace
 
-extern const KernelTable kTableAmx = KernelTable{Isa::amx, V512::MAX_ROWS, V512::BC, DecodeGemm<F32Elem>::kRowsPerHead, DecodeGemm<F32Elem>::kMaxRows, &scratch_floats, &run_item, &peak};
+extern const KernelTable kTable_amx =
+    make_table(&peak, Avx512DecodeRoute::route("decode"), TileRoute<AmxLoop, Bf16Rows<kMinAmxRows>>::route("amx"),
+               TileRoute<TileLoop<V512, Bf16Gemm<V512>>, Bf16Input>::route("bf16"),
+               TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));
 
 }  // namespace fa2cpu

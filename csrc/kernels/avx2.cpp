@@ -5,7 +5,9 @@
 // broadcast register: 15 of the 16 ymm registers.
 #include <immintrin.h>
 
+#include "common/gemm_f32.h"
 #include "common/probe.h"
+#include "common/routes.h"
 #include "common/tile_loop.h"
 #include "common/vecmath.h"
 
@@ -67,6 +69,6 @@ double peak(int, double seconds) { return fma_peak_gflops<V256>(seconds); }
 
 }  // namespace
 
-extern const KernelTable kTableAvx2 = make_table<V256, F32Gemm<V256>>(Isa::avx2, &peak);
+extern const KernelTable kTable_avx2 = make_table(&peak, TileRoute<TileLoop<V256, F32Gemm<V256>>>::route("f32"));
 
 }  // namespace fa2cpu

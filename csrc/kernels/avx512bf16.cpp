@@ -1,31 +1,19 @@
-// Family "avx512bf16": AVX-512 + AVX512_BF16. bfloat16 inputs run the vdpbf16ps micro-kernels
-// (common/gemm_bf16.h); float32 and float16 inputs run the float32 AVX-512 kernels (float16 is
-// converted to float32 while packing, so its products keep float32 accuracy).
-// Built with the avx512 flags plus -mavx512bf16 (setup.py).
+// Family "avx512bf16": AVX-512 + AVX512_BF16. Routes: the AVX-512 decode route (<= 16 rows per kv
+// head, gemm_decode.h); bfloat16 inputs the vdpbf16ps micro-kernels (common/gemm_bf16.h); float32
+// and float16 the float32 AVX-512 kernels (float16 is converted to float32 while packing, so its
+// products keep float32 accuracy). Built with the flags of its catalogue.def row.
 #include <chrono>
 
 #include "common/gemm_bf16.h"
 #include "common/gemm_decode.h"
+#include "common/gemm_f32.h"
 #include "common/probe.h"
+#include "common/routes.h"
 #include "common/tile_loop.h"
 #include "common/vec_avx512.h"
 
 namespace fa2cpu {
 namespace {
-
-using LoopF32 = TileLoop<V512, F32Gemm<V512>>;
-using LoopBf16 = TileLoop<V512, Bf16Gemm<V512>>;
-
-int64_t scratch_floats(const Params& p, int64_t rows) {
-    const int64_t a = DType(p.dtype) == DType::bf16 ? LoopBf16::scratch_floats(p, rows) : LoopF32::scratch_floats(p, rows);
-    const int64_t b = decode_scratch_floats(p, rows);
-    return a > b ? a : b;
-}
-void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
-    if (is_decode_item(it)) run_decode_item(p, it, scratch, parts);
-    else if (DType(p.dtype) == DType::bf16) LoopBf16::run_item(p, it, scratch, parts);
-    else LoopF32::run_item(p, it, scratch, parts);
-}
 
 // vdpbf16ps peak: 12 independent accumulators, 64 flops (32 multiply-adds) per instruction.
 double dpbf16_peak(double seconds) {
@@ -55,7 +43,8 @@ double peak(int dtype, double seconds) {
 
 }  // namespace
 
-extern const KernelTable kTableAvx512bf16 =
-    KernelTable{Isa::avx512bf16, V512::MAX_ROWS, V512::BC, DecodeGemm<F32Elem>::kRowsPerHead, DecodeGemm<F32Elem>::kMaxRows, &scratch_floats, &run_item, &peak};
+extern const KernelTable kTable_avx512bf16 =
+    make_table(&peak, Avx512DecodeRoute::route("decode"), TileRoute<TileLoop<V512, Bf16Gemm<V512>>, Bf16Input>::route("bf16"),
+               TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));
 
 }  // namespace fa2cpu

@@ -3,7 +3,9 @@
 // auto-vectorise; it is the reference for the others and the only family on non-x86 machines.
 #include <cmath>
 
+#include "common/gemm_f32.h"
 #include "common/probe.h"
+#include "common/routes.h"
 #include "common/tile_loop.h"
 
 namespace fa2cpu {
@@ -46,6 +48,6 @@ double peak(int, double seconds) { return fma_peak_gflops<VGeneric, 4>(seconds);
 
 }  // namespace
 
-extern const KernelTable kTableGeneric = make_table<VGeneric, F32Gemm<VGeneric>>(Isa::generic, &peak);
+extern const KernelTable kTable_generic = make_table(&peak, TileRoute<TileLoop<VGeneric, F32Gemm<VGeneric>>>::route("f32"));
 
 }  // namespace fa2cpu

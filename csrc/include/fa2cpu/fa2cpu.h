@@ -6,10 +6,17 @@
 
 namespace fa2cpu {
 
-// Kernel families, best first. The same names are used in file names, FA2CPU_ISA and Python.
-enum class Isa : int { amx = 0, avx512bf16 = 1, avx512 = 2, avx2 = 3, generic = 4, count = 5 };
-
-enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
+// Kernel families (best first) and element types: the rows of catalogue.def, in its order.
+enum class Isa : int {
+#define FA2CPU_FAMILY(name, flags) name,
+#include "catalogue.def"
+    count
+};
+enum class DType : int {
+#define FA2CPU_DTYPE(name, numpy_name, bytes) name,
+#include "catalogue.def"
+    count
+};
 
 // Largest head dim (D and Dv): per-row stack buffers and scratch are sized by it.
 constexpr int64_t kMaxHeadDim = 256;
@@ -18,37 +25,43 @@ enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };  // boolean: 
 // One call's description. All strides are in ELEMENTS of the array they belong to.
 //
 // Sequences: batch entry b has nq(b) query rows and nk(b) key rows:
-//   nq(b) = cu_q ? cu_q[b+1]-cu_q[b] : nq        (varlen packs rows of all sequences on one axis)
-//   nk(b) = seqlen_k ? seqlen_k[b] : cu_k ? cu_k[b+1]-cu_k[b] : nk
-// Query row i of sequence b, head h, element d lives at
-//   q + (cu_q ? 0 : b*q_sb) + ((cu_q ? cu_q[b] : 0) + i)*q_sn + h*q_sh + d*q_sd     (same for out)
-// Key position p of sequence b, kv-head h:
-//   paged (block_table != null): blk = block_table[b*bt_sb + p/block_size];
-//                                 k + blk*k_sb + (p%block_size)*k_sn + h*k_sh
-//   otherwise:                   k + (cu_k ? 0 : b*k_sb) + ((cu_k ? cu_k[b] : 0) + p)*k_sn + h*k_sh
+//   nq(b) = cu_seqlens_q ? cu_seqlens_q[b+1]-cu_seqlens_q[b] : nq        (varlen packs rows of all sequences on one axis)
+//   nk(b) = seqlen_k ? seqlen_k[b] : cu_seqlens_k ? cu_seqlens_k[b+1]-cu_seqlens_k[b] : nk
+// Query row i of sequence b, head h, element d lives at (same for out)
+//   q + (cu_seqlens_q ? (cu_seqlens_q[b] + i)*q_row_stride : b*q_batch_stride + i*q_row_stride)
+//     + h*q_head_stride + d*q_dim_stride
+// Key position p of sequence b, kv-head h (same for v):
+//   paged (block_table != null): blk = block_table[b*block_table_batch_stride + p/block_size];
+//     k + blk*k_batch_stride + (p%block_size)*k_row_stride + h*k_head_stride
+//   otherwise:
+//     k + (cu_seqlens_k ? (cu_seqlens_k[b] + p)*k_row_stride : b*k_batch_stride + p*k_row_stride)
+//       + h*k_head_stride
 // The Python layer has validated every index these formulas can produce.
 struct Params {
     int dtype = 0;  // DType
     int64_t batch = 0, hq = 0, hk = 0, d = 0, dv = 0;
     int64_t nq = 0, nk = 0;
-    const int64_t* cu_q = nullptr;
-    const int64_t* cu_k = nullptr;
+    const int64_t* cu_seqlens_q = nullptr;
+    const int64_t* cu_seqlens_k = nullptr;
     const int64_t* seqlen_k = nullptr;
     const int32_t* block_table = nullptr;
-    int64_t bt_sb = 0, block_size = 0;
+    int64_t block_table_batch_stride = 0, block_size = 0;
 
-    const void* q = nullptr; int64_t q_sb = 0, q_sh = 0, q_sn = 0, q_sd = 0;
-    const void* k = nullptr; int64_t k_sb = 0, k_sh = 0, k_sn = 0, k_sd = 0;
-    const void* v = nullptr; int64_t v_sb = 0, v_sh = 0, v_sn = 0, v_sd = 0;
-    void* out = nullptr;     int64_t o_sb = 0, o_sh = 0, o_sn = 0, o_sd = 0;
-    float* lse = nullptr;    int64_t l_sb = 0, l_sh = 0, l_sn = 0;  // float32 (b, hq, row); optional
+    const void* q = nullptr; int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0, q_dim_stride = 0;
+    const void* k = nullptr; int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0, k_dim_stride = 0;
+    const void* v = nullptr; int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0, v_dim_stride = 0;
+    void* out = nullptr;     int64_t out_batch_stride = 0, out_head_stride = 0, out_row_stride = 0, out_dim_stride = 0;
+    // float32 (b, hq, row) log-sum-exp; optional
+    float* lse = nullptr;    int64_t lse_batch_stride = 0, lse_head_stride = 0, lse_row_stride = 0;
 
     float scale = 1.0f;
     float softcap = 0.0f;                   // <= 0: off
-    int64_t win_left = -1, win_right = -1;  // -1: unbounded (causal is win_right = 0)
-    const float* alibi = nullptr; int64_t al_sb = 0, al_sh = 0;  // slopes[b*al_sb + h*al_sh]
+    int64_t window_left = -1, window_right = -1;  // -1: unbounded (causal is window_right = 0)
+    // slope of (b, h) = alibi[b*alibi_batch_stride + h*alibi_head_stride]
+    const float* alibi = nullptr; int64_t alibi_batch_stride = 0, alibi_head_stride = 0;
     int mask_kind = 0;  // MaskKind
-    const void* mask = nullptr; int64_t m_sb = 0, m_sh = 0, m_sq = 0, m_sk = 0;
+    const void* mask = nullptr;
+    int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_query_stride = 0, mask_key_stride = 0;
 
     int num_threads = 1;
     int num_splits = 0;  // 0: automatic split of the key axis, 1: none, n: n splits
@@ -67,6 +80,10 @@ int forward(const Params& p);
 // Dispatch control (registry.cpp). available_isas fills `out` with the usable families, best first,
 // and returns their count.
 int available_isas(int* out);
+int isa_count();
+const char* isa_name(int isa);      // catalogue.def's name; nullptr outside 0..isa_count()-1
+int dtype_count();
+const char* dtype_name(int dtype);  // NumPy's name of a DType code
 bool isa_compiled(int isa);
 bool isa_usable(int isa);
 int get_isa();

@@ -10,13 +10,13 @@
 //
 // Odd D / odd nc are padded with zero halves. Products are exact in float32 and accumulate in
 // float32; P is rounded to bf16 before P V, as FlashAttention-2 does, while the row sums l use
-// the float32 P. The score scale is applied to the float32 S (kPostScale): scaling bf16 Q would
-// add a rounding.
+// the float32 P. The score scale is applied to the float32 S (ScaleAt::qk_output): scaling bf16 Q
+// would add a rounding.
 #pragma once
 #include <immintrin.h>
 
 #include "kernel.h"
-#include "o_layout.h"
+#include "policy.h"
 
 namespace fa2cpu {
 namespace {
@@ -27,11 +27,11 @@ struct Bf16Gemm : TransposedO<V> {
     static constexpr int RV = V::RV, NK = V::NK, ND = V::ND;
     static constexpr int RB = RV * W;
     static constexpr int64_t BC = V::BC;
-    static constexpr bool kPostScale = true;
-    static constexpr bool kScaleInSoftmax = false;  // scaled for free in the QK store
-    static constexpr bool kPairedP = true;          // softmax writes P as bf16 pairs
-    static constexpr bool kTilesInBlocks = false;
-    static constexpr int64_t kRowAlign = W;                   // item rows padded to this
+    static constexpr int64_t kMaxRows = V::MAX_ROWS;
+    static constexpr int64_t kRowAlign = W;
+    static constexpr ScaleAt kScaleAt = ScaleAt::qk_output;  // scaled for free in the QK store
+    static constexpr PStore kPStore = PStore::bf16_pairs;    // softmax writes P as bf16 pairs
+    static constexpr bool kTilesEndAtBlocks = false;
     static_assert(V::W == 16, "bf16 pairs fill 16 float32 lanes");
 
     static int64_t q_floats(int64_t D, int64_t M) { return (D + 1) / 2 * M; }
@@ -40,7 +40,6 @@ struct Bf16Gemm : TransposedO<V> {
     static int64_t p_floats() { return (BC + 1) / 2 * RB; }
 
     static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
-    static const float* q_at(const float* qbuf, int64_t r0, int64_t, int64_t) { return qbuf + r0; }
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
         for (int64_t t = 0; 2 * t < D; ++t)
@@ -51,33 +50,30 @@ struct Bf16Gemm : TransposedO<V> {
         for (int64_t t = 0; 2 * t < D; ++t) q[t * M + r] = 0;
     }
 
-    static const void* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+    static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t D = p.d, Dp = round_up(D, 2);
         const uint16_t* k = static_cast<const uint16_t*>(p.k);
-        if (p.k_sd == 1 && D % 2 == 0 && !p.block_table) {
-            *ld = p.k_sn;
-            return k + k_row_offset(p, b, c0, p.k_sb, p.k_sn) + head;
-        }
+        if (p.k_dim_stride == 1 && D % 2 == 0 && !p.block_table)
+            return {k + k_row_offset(p, b, c0, p.k_batch_stride, p.k_row_stride) + head, p.k_row_stride, 0, 0};
         uint16_t* out = reinterpret_cast<uint16_t*>(buf);
         for (int64_t c = 0; c < nc; ++c) {
-            const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_sb, p.k_sn) + head;
-            for (int64_t d = 0; d < D; ++d) out[c * Dp + d] = src[d * p.k_sd];
+            const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_batch_stride, p.k_row_stride) + head;
+            for (int64_t d = 0; d < D; ++d) out[c * Dp + d] = src[d * p.k_dim_stride];
             if (Dp != D) out[c * Dp + D] = 0;
         }
-        *ld = Dp;
-        return out;
+        return {out, Dp, 0, 0};
     }
 
-    static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+    static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t Dv = p.dv;
         const uint16_t* v = static_cast<const uint16_t*>(p.v);
         uint32_t* out = reinterpret_cast<uint32_t*>(buf);
         for (int64_t c = 0; c < nc; c += 2) {
-            const uint16_t* r0 = v + k_row_offset(p, b, c0 + c, p.v_sb, p.v_sn) + head;
-            const uint16_t* r1 = c + 1 < nc ? v + k_row_offset(p, b, c0 + c + 1, p.v_sb, p.v_sn) + head : nullptr;
+            const uint16_t* r0 = v + k_row_offset(p, b, c0 + c, p.v_batch_stride, p.v_row_stride) + head;
+            const uint16_t* r1 = c + 1 < nc ? v + k_row_offset(p, b, c0 + c + 1, p.v_batch_stride, p.v_row_stride) + head : nullptr;
             uint32_t* o = out + (c / 2) * Dv;
             int64_t j = 0;
-            if (p.v_sd == 1) {
+            if (p.v_dim_stride == 1) {
                 for (; j + 16 <= Dv; j += 16) {
                     const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j)));
                     const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j)))
@@ -85,10 +81,9 @@ struct Bf16Gemm : TransposedO<V> {
                     _mm512_storeu_si512(o + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
                 }
             }
-            for (; j < Dv; ++j) o[j] = pair(r0[j * p.v_sd], r1 ? r1[j * p.v_sd] : 0);
+            for (; j < Dv; ++j) o[j] = pair(r0[j * p.v_dim_stride], r1 ? r1[j * p.v_dim_stride] : 0);
         }
-        *ld = Dv;
-        return out;
+        return {out, Dv, 0, 0};
     }
 
     // s[j*RB + v*16 + lane] = post_scale * sum_t qpair[t][row] . kpair[j][t],  j < NKC
@@ -179,10 +174,9 @@ struct Bf16Gemm : TransposedO<V> {
         }
     }
 
-    static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
-                   int64_t nc, float* s, float post_scale, RowHeads) {
-        qk_nv(nv, reinterpret_cast<const uint32_t*>(qbuf), M, static_cast<const uint16_t*>(kt), ldk, (D + 1) / 2, nc, s,
-              _mm512_set1_ps(post_scale));
+    static void qk(const ItemOperands& x, const RowBlock& rows, const KvTile& k, int64_t keys, float* s) {
+        qk_nv(rows.vectors, reinterpret_cast<const uint32_t*>(x.q) + rows.r0, x.M, static_cast<const uint16_t*>(k.data),
+              k.ld, (x.d + 1) / 2, keys, s, _mm512_set1_ps(x.qk_scale));
     }
 
     // P of keys (2*c2, 2*c2+1) for row vector v -> bf16 pairs in pbuf [C2][RB] (round to nearest even).
@@ -194,10 +188,10 @@ struct Bf16Gemm : TransposedO<V> {
         _mm512_storeu_si512(reinterpret_cast<uint32_t*>(pbuf) + c2 * RB + v * W, _mm512_permutexvar_epi16(inter, x));
     }
 
-    // O^T += P V from the pairs the softmax wrote (kPairedP).
-    static void pv(int nv, int /*rows*/, float* /*s*/, int64_t nc, const void* vt, int64_t, int64_t Dv, float* oT,
-                   int64_t r0, int64_t M, float* pbuf, RowHeads) {
-        pv_nv(nv, reinterpret_cast<const uint32_t*>(pbuf), (nc + 1) / 2, static_cast<const uint32_t*>(vt), Dv, oT + r0, M);
+    // O^T += P V from the pairs the softmax wrote (PStore::bf16_pairs).
+    static void pv(const ItemOperands& x, const RowBlock& rows, float*, int64_t keys, const KvTile& v) {
+        pv_nv(rows.vectors, reinterpret_cast<const uint32_t*>(x.p_pairs), (keys + 1) / 2,
+              static_cast<const uint32_t*>(v.data), x.dv, x.o + rows.r0, x.M);
     }
 };
 

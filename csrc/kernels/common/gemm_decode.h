@@ -7,11 +7,18 @@
 //   QK: acc[4 keys][4 rows] += K[key][16 d] * Q[row][16 d], reduced to one score each at the end
 //   PV: O[row][64 dv] += P[row][key] (broadcast) * V[key][64 dv]        (4 rows x 4 vectors)
 // Layouts: q [M][Dp] float32 pre-scaled (Dp = D rounded up to 16, zero padded); O row-major
-// [M][Dvp]; s [Bc][16] as in tile_loop.h (lanes past the item's rows are never read back).
+// [M][Dvp]; s [BC][RB] as in tile_loop.h (lanes past the item's rows are never read back).
+//
+// The decode route (kernels/common/routes.h) runs it for sequences with at most kRowsPerHead rows
+// per kv head; where the cache interleaves heads within a position ((B, N, H, D) layouts, paged
+// or not) its items span up to kMaxRows / rows kv heads, whose K/V rows for a key are then one
+// contiguous run, streamed once, instead of one short run per item a head-size stride apart.
 #pragma once
 #include <immintrin.h>
 
 #include "kernel.h"
+#include "policy.h"
+#include "routes.h"
 #include "tile_loop.h"
 #include "vec_avx512.h"
 
@@ -39,14 +46,13 @@ template <class E>
 struct DecodeGemm {
     using T = typename E::T;
     static constexpr int W = 16, RV = 4, RB = 64;
-    static constexpr int64_t BC = 256;       // keys per tile: long streams, 16 KiB score block
-    static constexpr int64_t kRowsPerHead = 16;  // items with more rows per kv head use the prefill policies
+    static constexpr int64_t BC = 256;       // keys per tile: long streams, 64 KiB score block
+    static constexpr int64_t kRowsPerHead = 16;  // sequences with more rows per kv head use the tile policies
     static constexpr int64_t kMaxRows = 64;      // rows of an item spanning kv heads (4 row vectors)
-    static constexpr bool kPostScale = false;
-    static constexpr bool kScaleInSoftmax = false;
-    static constexpr bool kPairedP = false;
-    static constexpr bool kTilesInBlocks = true;  // paged K/V read in place: a tile never crosses a block
     static constexpr int64_t kRowAlign = 16;
+    static constexpr ScaleAt kScaleAt = ScaleAt::packed_q;
+    static constexpr PStore kPStore = PStore::f32_in_scores;
+    static constexpr bool kTilesEndAtBlocks = true;  // paged K/V read in place
     static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
     static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
@@ -59,7 +65,6 @@ struct DecodeGemm {
     static int64_t v_floats(int64_t Dv) { return (BC * dp(Dv) * int64_t(sizeof(T)) + 3) / 4; }
     static int64_t p_floats() { return 0; }
 
-    static const float* q_at(const float* q, int64_t r0, int64_t D, int64_t) { return q + r0 * dp(D); }
     static void pack_q_row(float* q, int64_t, int64_t r, const float* row, int64_t D, float qscale) {
         float* o = q + r * dp(D);
         for (int64_t d = 0; d < D; ++d) o[d] = row[d] * qscale;
@@ -84,68 +89,62 @@ struct DecodeGemm {
     }
 
     // Rows of a K/V tile: in place for unit feature stride (any dtype; a paged tile lies in one
-    // block), else gathered into buf (rows of dp(n) elements, native dtype).
-    static const void* tile(const Params& p, int which, const void* base, int64_t sb, int64_t sn, int64_t sd, int64_t n,
-                            int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+    // block), else gathered into buf (rows of dp(n) elements, native dtype; then the item holds
+    // one kv head: routes.h spans heads only for unit feature strides).
+    static KvTile tile(const Params& p, const void* base, int64_t batch_stride, int64_t row_stride, int64_t dim_stride,
+                       int64_t head_stride, int64_t n, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const T* src = static_cast<const T*>(base);
-        prefetch_delta(which) = sd == 1 ? tile_prefetch_delta(p, sb, sn, b, c0) : kPrefetchKeys * dp(n);
-        if (sd == 1) {  // unpaged, or paged with the tile inside one block (kTilesInBlocks)
-            *ld = sn;
-            return src + k_row_offset(p, b, c0, sb, sn) + head;
-        }
+        if (dim_stride == 1)
+            return {src + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, head_stride,
+                    prefetch_delta(p, batch_stride, row_stride, b, c0)};
         T* out = reinterpret_cast<T*>(buf);
         const int64_t np = dp(n);
         for (int64_t c = 0; c < nc; ++c) {
-            const T* r = src + k_row_offset(p, b, c0 + c, sb, sn) + head;
-            if (sd == 1) std::memcpy(out + c * np, r, size_t(n) * sizeof(T));
-            else for (int64_t j = 0; j < n; ++j) out[c * np + j] = r[j * sd];
+            const T* r = src + k_row_offset(p, b, c0 + c, batch_stride, row_stride) + head;
+            for (int64_t j = 0; j < n; ++j) out[c * np + j] = r[j * dim_stride];
         }
-        *ld = np;
-        return out;
+        return {out, np, 0, kPrefetchKeys * np};
     }
-    // Prefetch distance (elements) of the tile being processed, per thread: kPrefetchKeys rows
-    // further on for a contiguous cache; for a paged one the same row of the sequence's next block
-    // (blocks are scattered, out of reach of hardware prefetchers), 0 at the last block.
-    static int64_t& prefetch_delta(int which) {
-        static thread_local int64_t delta[2];
-        return delta[which];
-    }
-    static int64_t tile_prefetch_delta(const Params& p, int64_t sb, int64_t sn, int64_t b, int64_t c0) {
-        if (!p.block_table) return kPrefetchKeys * sn;
+    // Prefetch distance (elements): kPrefetchKeys rows further on for a contiguous cache; for a
+    // paged one the same row of the sequence's next block (blocks are scattered, out of reach of
+    // hardware prefetchers), 0 at the last block.
+    static int64_t prefetch_delta(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
+        if (!p.block_table) return kPrefetchKeys * row_stride;
         const int64_t cur = c0 / p.block_size, next = cur + 1;
         if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
-        return (int64_t(p.block_table[b * p.bt_sb + next]) - int64_t(p.block_table[b * p.bt_sb + cur])) * sb;
+        const int32_t* row = p.block_table + b * p.block_table_batch_stride;
+        return (int64_t(row[next]) - int64_t(row[cur])) * batch_stride;
     }
-    static const void* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
-        return tile(p, 0, p.k, p.k_sb, p.k_sn, p.k_sd, p.d, b, c0, nc, head, buf, ld);
+    static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
+        return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.k_head_stride, p.d, b, c0, nc, head, buf);
     }
-    static const void* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
-        return tile(p, 1, p.v, p.v_sb, p.v_sn, p.v_sd, p.dv, b, c0, nc, head, buf, ld);
+    static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
+        return tile(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_dim_stride, p.v_head_stride, p.dv, b, c0, nc, head, buf);
     }
 
     // s[c*RB + r] = q_r . k_c for the block's rows, in groups of RG rows (rows past `rows` have
     // zero q). Key blocks of KBLK are the outer loop so that, when an item spans several kv heads
     // of a (B, N, H, D) cache, the rows of all its heads for those keys (contiguous) are read
     // together. A group whose rows share a kv head loads each K vector once for all of them.
-    static void qk(int, int rows, const float* q, int64_t, const void* kt, int64_t ldk, int64_t D, int64_t nc,
-                   float* s, float, RowHeads heads) {
-        const T* k = static_cast<const T*>(kt);
-        const int64_t Dp = dp(D);
+    static void qk(const ItemOperands& x, const RowBlock& block, const KvTile& kt, int64_t nc, float* s) {
+        const T* k = static_cast<const T*>(kt.data);
+        const int64_t D = x.d, Dp = dp(D), ldk = kt.ld, rows = block.rows;
+        const float* q = x.q + block.r0 * Dp;
+        const int32_t* kv_head = block.kv_head;
         for (int64_t cb = 0; cb < nc; cb += KBLK) {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
-                for (int j = 0; j < RG; ++j) off[j] = heads.kv[r + j] * heads.k_sh;
-                const bool first_of_head = r == 0 || heads.kv[r - 1] != heads.kv[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, first_of_head);
-                else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, true);
+                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * kt.head_stride;
+                const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
+                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
+                else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
             }
         }
     }
     template <bool kOneHead>
     static void qk_group(const float* qr, int64_t Dp, int64_t D, const T* k, int64_t ldk, const int64_t* off,
-                         int64_t cb, int64_t ce, float* s, bool prefetch) {
-        const int64_t pf = prefetch_delta(0);
+                         int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const T* kr[KB];
@@ -184,8 +183,7 @@ struct DecodeGemm {
 
     template <int NV, bool kOneHead>
     static void pv_block(const float* s, int64_t cb, int64_t ce, const T* v, int64_t ldv, const int64_t* off,
-                         int64_t Dv, int64_t j, float* orow, int64_t n, bool prefetch) {
-        const int64_t pf = prefetch_delta(1);
+                         int64_t Dv, int64_t j, float* orow, int64_t n, int64_t pf, bool prefetch) {
         __m512 acc[RG][NV];
         __mmask16 m[NV];
 #pragma GCC unroll 4
@@ -229,58 +227,39 @@ struct DecodeGemm {
     }
     template <bool kOneHead>
     static void pv_group(const float* s, int64_t cb, int64_t ce, const T* v, int64_t ldv, const int64_t* off,
-                         int64_t Dv, float* orow, int64_t n, bool prefetch) {
+                         int64_t Dv, float* orow, int64_t n, int64_t pf, bool prefetch) {
         for (int64_t j = 0; j < n; j += 64) {
             switch ((n - j) / 16) {
-                case 1: pv_block<1, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
-                case 2: pv_block<2, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
-                case 3: pv_block<3, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
-                default: pv_block<4, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, prefetch); break;
+                case 1: pv_block<1, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
+                case 2: pv_block<2, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
+                case 3: pv_block<3, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
+                default: pv_block<4, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
             }
         }
     }
 
     // O[r0 + r][:] += sum_c P[r][c] V[c][:], key blocks outer (as in qk), 64 columns at a time.
-    static void pv(int, int rows, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* o,
-                   int64_t r0, int64_t, float*, RowHeads heads) {
-        const T* v = static_cast<const T*>(vt);
-        const int64_t n = dp(Dv);
+    static void pv(const ItemOperands& x, const RowBlock& block, float* s, int64_t nc, const KvTile& vt) {
+        const T* v = static_cast<const T*>(vt.data);
+        const int64_t Dv = x.dv, n = dp(Dv), ldv = vt.ld, rows = block.rows;
+        const int32_t* kv_head = block.kv_head;
         for (int64_t cb = 0; cb < nc; cb += KBLK) {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
-                for (int j = 0; j < RG; ++j) off[j] = heads.kv[r + j] * heads.v_sh;
-                const bool first_of_head = r == 0 || heads.kv[r - 1] != heads.kv[r];
-                float* orow = o + (r0 + r) * n;
-                if (off[0] == off[RG - 1]) pv_group<true>(s + r, cb, ce, v, ldv, off, Dv, orow, n, first_of_head);
-                else pv_group<false>(s + r, cb, ce, v, ldv, off, Dv, orow, n, true);
+                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * vt.head_stride;
+                const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
+                float* orow = x.o + (block.r0 + r) * n;
+                if (off[0] == off[RG - 1]) pv_group<true>(s + r, cb, ce, v, ldv, off, Dv, orow, n, vt.prefetch, first_of_head);
+                else pv_group<false>(s + r, cb, ce, v, ldv, off, Dv, orow, n, vt.prefetch, true);
             }
         }
     }
 };
 
-
-// Entry points shared by the AVX-512 families: an item of at most kRowsPerHead rows per kv head
-// (planned with up to kMaxRows rows over several kv heads) runs the decode policy for its dtype;
-// the family runs everything else.
-inline bool is_decode_item(const WorkItem& it) {
-    return int64_t(it.g1 - it.g0) * (it.i1 - it.i0) <= DecodeGemm<F32Elem>::kRowsPerHead * it.kv_span;
-}
-inline int64_t decode_scratch_floats(const Params& p, int64_t rows) {
-    rows = rows < DecodeGemm<F32Elem>::kMaxRows ? rows : DecodeGemm<F32Elem>::kMaxRows;
-    switch (DType(p.dtype)) {
-        case DType::bf16: return TileLoop<V512, DecodeGemm<Bf16Elem>>::scratch_floats(p, rows);
-        case DType::f16: return TileLoop<V512, DecodeGemm<F16Elem>>::scratch_floats(p, rows);
-        default: return TileLoop<V512, DecodeGemm<F32Elem>>::scratch_floats(p, rows);
-    }
-}
-inline void run_decode_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
-    switch (DType(p.dtype)) {
-        case DType::bf16: return TileLoop<V512, DecodeGemm<Bf16Elem>>::run_item(p, it, scratch, parts);
-        case DType::f16: return TileLoop<V512, DecodeGemm<F16Elem>>::run_item(p, it, scratch, parts);
-        default: return TileLoop<V512, DecodeGemm<F32Elem>>::run_item(p, it, scratch, parts);
-    }
-}
+// The decode route of the AVX-512 families (routes.h).
+using Avx512DecodeRoute = DecodeRoute<TileLoop<V512, DecodeGemm<F32Elem>>, TileLoop<V512, DecodeGemm<F16Elem>>,
+                                      TileLoop<V512, DecodeGemm<Bf16Elem>>>;
 
 }  // namespace
 }  // namespace fa2cpu

@@ -4,7 +4,7 @@
 // while packing, so products keep float32 accuracy).
 #pragma once
 #include "kernel.h"
-#include "o_layout.h"
+#include "policy.h"
 
 namespace fa2cpu {
 namespace {
@@ -18,11 +18,11 @@ struct F32Gemm : TransposedO<V> {
     static constexpr int ND = V::ND;    // output columns per PV micro-tile
     static constexpr int RB = RV * W;   // rows per row block
     static constexpr int64_t BC = V::BC;
-    static constexpr bool kPostScale = false;  // Q is packed pre-scaled
-    static constexpr bool kScaleInSoftmax = false;
-    static constexpr bool kPairedP = false;
-    static constexpr bool kTilesInBlocks = false;
-    static constexpr int64_t kRowAlign = W;                   // item rows padded to this
+    static constexpr int64_t kMaxRows = V::MAX_ROWS;
+    static constexpr int64_t kRowAlign = W;
+    static constexpr ScaleAt kScaleAt = ScaleAt::packed_q;
+    static constexpr PStore kPStore = PStore::f32_in_scores;
+    static constexpr bool kTilesEndAtBlocks = false;
 
     // Scratch (floats) of the Q operand for M rows, of one packed K / V tile, of a P copy.
     static int64_t q_floats(int64_t D, int64_t M) { return D * M; }
@@ -34,31 +34,26 @@ struct F32Gemm : TransposedO<V> {
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
         for (int64_t d = 0; d < D; ++d) qbuf[d * M + r] = row[d] * qscale;
     }
-    static const float* q_at(const float* qbuf, int64_t r0, int64_t, int64_t) { return qbuf + r0; }  // row block start
     static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
         for (int64_t d = 0; d < D; ++d) qbuf[d * M + r] = 0.f;
     }
     // K/V tile of nc rows from key position c0: read in place when float32 with unit feature
     // stride and not paged, else packed row-major (strides, paging, dtype conversion end here).
-    static const float* k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head,
-                               float* buf, int64_t* ld) {
-        return tile(p, p.k, p.k_sb, p.k_sn, p.k_sd, p.d, b, c0, nc, head, buf, ld);
+    static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
+        return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.d, b, c0, nc, head, buf);
     }
-    static const float* v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head,
-                               float* buf, int64_t* ld) {
-        return tile(p, p.v, p.v_sb, p.v_sn, p.v_sd, p.dv, b, c0, nc, head, buf, ld);
+    static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
+        return tile(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_dim_stride, p.dv, b, c0, nc, head, buf);
     }
-    static const float* tile(const Params& p, const void* base, int64_t sb, int64_t sn, int64_t sd, int64_t n,
-                             int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf, int64_t* ld) {
+    static KvTile tile(const Params& p, const void* base, int64_t batch_stride, int64_t row_stride,
+                       int64_t dim_stride, int64_t n, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const DType dt = DType(p.dtype);
-        if (dt == DType::f32 && sd == 1 && !p.block_table) {
-            *ld = sn;
-            return static_cast<const float*>(base) + k_row_offset(p, b, c0, sb, sn) + head;
-        }
+        if (dt == DType::f32 && dim_stride == 1 && !p.block_table)
+            return {static_cast<const float*>(base) + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, 0, 0};
         for (int64_t c = 0; c < nc; ++c)
-            V::load_row(buf + c * n, elem_ptr(base, k_row_offset(p, b, c0 + c, sb, sn) + head, dt), n, sd, dt);
-        *ld = n;
-        return buf;
+            V::load_row(buf + c * n, elem_ptr(base, k_row_offset(p, b, c0 + c, batch_stride, row_stride) + head, dt), n,
+                        dim_stride, dt);
+        return {buf, n, 0, 0};
     }
 
     // s[j*RB + v*W + lane] = sum_d qT[d*M + v*W + lane] * kt[j*ldk + d],  j < NKC, v < NV
@@ -157,17 +152,14 @@ struct F32Gemm : TransposedO<V> {
         }
     }
 
-    // The tile loop's interface: S (rows of one block, log2-domain logits before biases) and
-    // O^T += P V for a row block of nv vectors; K/V tiles as returned by k_tile / v_tile.
-    static void qk(int nv, int /*rows*/, const float* qbuf, int64_t M, const void* kt, int64_t ldk, int64_t D,
-                   int64_t nc, float* s, float /*post_scale: Q already scaled*/, RowHeads) {
-        qk_nv(nv, qbuf, M, static_cast<const float*>(kt), ldk, D, nc, s);
+    // The tile loop's interface (policy.h): S of a row block (log2-domain logits before biases)
+    // and O^T += P V for it.
+    static void qk(const ItemOperands& x, const RowBlock& rows, const KvTile& k, int64_t keys, float* s) {
+        qk_nv(rows.vectors, x.q + rows.r0, x.M, static_cast<const float*>(k.data), k.ld, x.d, keys, s);
     }
-    static void pv(int nv, int /*rows*/, float* s, int64_t nc, const void* vt, int64_t ldv, int64_t Dv, float* oT,
-                   int64_t r0, int64_t M, float* /*pbuf*/, RowHeads) {
-        pv_nv(nv, s, nc, static_cast<const float*>(vt), ldv, Dv, oT + r0, M);
+    static void pv(const ItemOperands& x, const RowBlock& rows, float* s, int64_t keys, const KvTile& v) {
+        pv_nv(rows.vectors, s, keys, static_cast<const float*>(v.data), v.ld, x.dv, x.o + rows.r0, x.M);
     }
-
 };
 
 }  // namespace

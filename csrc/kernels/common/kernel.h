@@ -5,49 +5,55 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "fa2cpu/fa2cpu.h"
 
 namespace fa2cpu {
 
-// One unit of parallel work: a set of query rows (heads hkv*G + [g0, g1) x query rows [i0, i1) of
-// sequence b) against key positions [kb, ke) of that sequence. Row r is head hkv*G + g0 + r/(i1-i0),
-// query i0 + r%(i1-i0). Usually g1 <= G (one kv head); decode items of families with
-// decode_rows > 0 may span kv_span consecutive kv heads (g0 = 0, g1 = kv_span*G).
+// One unit of parallel work: query rows of sequence b against its key positions [kb, ke).
+// The rows are heads kv_head*G + [g0, g1) x query positions [i0, i1): row r is head
+// kv_head*G + g0 + r/(i1-i0), query i0 + r%(i1-i0). Usually g1 <= G (one kv head); a route whose
+// kv_heads_per_item > 1 gets items spanning kv heads (g0 = 0, g1 = kv_heads*G).
 struct WorkItem {
-    int32_t b, hkv, g0, g1;
+    int32_t b, kv_head, g0, g1;
     int64_t i0, i1;
     int64_t kb, ke;
-    int64_t part;  // -1: write the final output; else row offset into the split-KV partial buffers
-    int32_t kv_span = 1;
+    int64_t part;          // -1: write the final output; else row offset into the split-KV partials
+    int32_t kv_heads = 1;  // kv heads the rows span
+    int32_t route = 0;     // index into the family's routes (chosen once per sequence by the planner)
 };
 
-// Per-row kv head of an item (relative to its first kv head), for GEMM policies whose items may
-// span kv heads; kv[r] is indexed like the rows of the current row block.
-struct RowHeads {
-    const int32_t* kv;
-    int64_t k_sh, v_sh;
-};
-
-// Partial results of split-KV items: part_o[(part + r)*dv + j] is row r's output normalised over
-// the split's keys, part_lse[part + r] its log2-sum-exp (-inf when the split saw no key).
+// Partial results of split-KV items: o[(part + r)*dv + j] is row r's output normalised over the
+// split's keys, lse[part + r] its log2-sum-exp (-inf when the split saw no key).
 struct Partials {
     float* o;
     float* lse;
 };
 
-// One row of the dispatch table (one per compiled family).
-struct KernelTable {
-    Isa isa;
-    int64_t max_rows;     // rows (heads x queries) one work item holds: sizes Q/O scratch
-    int64_t kv_tile;      // keys per streamed K/V tile
-    int64_t decode_rows_per_head;  // > 0: items with at most this many rows per kv head are decode
-    int64_t decode_rows;           //      items and may span kv heads, up to this many rows in all
-    // Floats of per-thread scratch needed for an item of p with at most `rows` rows.
-    int64_t (*scratch_floats)(const Params& p, int64_t rows);
+// One way a family computes items (a loop + GEMM policy); kernels/common/routes.h derives these
+// fields from the route's compile-time traits.
+struct Route {
+    const char* name;
+    // Serves sequences whose items hold `rows_per_kv_head` rows per kv head (query heads of a
+    // GQA group x query positions) for p's dtype and layouts? A family's first serving route wins.
+    bool (*serves)(const Params& p, int64_t rows_per_kv_head);
+    // kv heads one item may span (1 for most routes): all G*nq rows of that many kv heads.
+    int64_t (*kv_heads_per_item)(const Params& p, int64_t rows_per_kv_head);
+    int64_t max_rows;  // rows of one item (heads x queries); sizes the Q/O scratch
+    int64_t kv_tile;   // keys per K/V tile: split-KV boundaries fall on multiples of it
+    int64_t (*scratch_floats)(const Params& p, int64_t rows);  // per-thread scratch, <= rows rows
     void (*run_item)(const Params& p, const WorkItem& it, float* scratch, Partials parts);
-    // One thread's peak of the family's main multiply-add instruction for dtype (0 f32, 2 bf16),
+};
+
+// One row of the dispatch table (one per compiled family of catalogue.def).
+constexpr int kMaxRoutes = 4;
+struct KernelTable {
+    Route routes[kMaxRoutes];
+    int num_routes;
+    // One thread's peak of the family's main multiply-add instruction for dtype (DType code),
     // GFLOP/s, measured for about `seconds`.
     double (*peak_one_thread)(int dtype, double seconds);
 };
@@ -58,24 +64,35 @@ namespace {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// Aborts with a message: for sizes the scratch layout relies on, which check_params (driver.cpp)
+// guarantees; reaching one means a caller bypassed it.
+#define FA2CPU_CHECK(cond)                                                                  \
+    do {                                                                                    \
+        if (!(cond)) {                                                                      \
+            std::fprintf(stderr, "fa2cpu: internal check failed: %s (%s:%d)\n", #cond, __FILE__, __LINE__); \
+            std::abort();                                                                   \
+        }                                                                                   \
+    } while (0)
+
 inline int64_t seq_nq(const Params& p, int64_t b) {
-    return p.cu_q ? p.cu_q[b + 1] - p.cu_q[b] : p.nq;
+    return p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b] : p.nq;
 }
 inline int64_t seq_nk(const Params& p, int64_t b) {
     if (p.seqlen_k) return p.seqlen_k[b];
-    return p.cu_k ? p.cu_k[b + 1] - p.cu_k[b] : p.nk;
+    return p.cu_seqlens_k ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.nk;
 }
-// Element offset of query row i (of sequence b) for arrays laid out like q (strides sb, sn).
-inline int64_t q_row_offset(const Params& p, int64_t b, int64_t i, int64_t sb, int64_t sn) {
-    return p.cu_q ? (p.cu_q[b] + i) * sn : b * sb + i * sn;
+// Element offset of query row i (of sequence b) for arrays laid out like q.
+inline int64_t q_row_offset(const Params& p, int64_t b, int64_t i, int64_t batch_stride, int64_t row_stride) {
+    return p.cu_seqlens_q ? (p.cu_seqlens_q[b] + i) * row_stride : b * batch_stride + i * row_stride;
 }
-// Element offset of key position pos of sequence b for arrays laid out like k (strides sb, sn).
-inline int64_t k_row_offset(const Params& p, int64_t b, int64_t pos, int64_t sb, int64_t sn) {
+// Element offset of key position pos of sequence b for arrays laid out like k (a block's stride
+// is batch_stride when paged).
+inline int64_t k_row_offset(const Params& p, int64_t b, int64_t pos, int64_t batch_stride, int64_t row_stride) {
     if (p.block_table) {
-        const int64_t blk = p.block_table[b * p.bt_sb + pos / p.block_size];
-        return blk * sb + (pos % p.block_size) * sn;
+        const int64_t blk = p.block_table[b * p.block_table_batch_stride + pos / p.block_size];
+        return blk * batch_stride + (pos % p.block_size) * row_stride;
     }
-    return p.cu_k ? (p.cu_k[b] + pos) * sn : b * sb + pos * sn;
+    return p.cu_seqlens_k ? (p.cu_seqlens_k[b] + pos) * row_stride : b * batch_stride + pos * row_stride;
 }
 
 // Saturating int64 add/sub: window bounds may be as large as an int64 allows.
@@ -92,8 +109,8 @@ inline int64_t sat_sub(int64_t a, int64_t b) {
 // none. Integer arithmetic end to end (positions beyond 2^24 stay exact), saturating.
 inline void visible_range(const Params& p, int64_t nq, int64_t nk, int64_t i, int64_t* lo, int64_t* hi) {
     const int64_t diag = nk + (i - nq);  // 0 <= i < nq: no overflow
-    const int64_t a = p.win_left < 0 ? 0 : sat_sub(diag, p.win_left);
-    const int64_t z = p.win_right < 0 ? nk - 1 : sat_add(diag, p.win_right);
+    const int64_t a = p.window_left < 0 ? 0 : sat_sub(diag, p.window_left);
+    const int64_t z = p.window_right < 0 ? nk - 1 : sat_add(diag, p.window_right);
     *lo = a < 0 ? 0 : a;
     *hi = z > nk - 1 ? nk - 1 : z;
 }
@@ -162,7 +179,13 @@ inline void store_scalar(void* base, int64_t idx, float x, DType dt) {
     else if (dt == DType::bf16) static_cast<uint16_t*>(base)[idx] = f32_to_bf16(x);
     else static_cast<uint16_t*>(base)[idx] = f32_to_f16(x);
 }
-inline size_t dtype_size(DType dt) { return dt == DType::f32 ? 4 : 2; }
+inline size_t dtype_size(DType dt) {
+    constexpr size_t kBytes[] = {
+#define FA2CPU_DTYPE(name, numpy_name, bytes) bytes,
+#include "fa2cpu/catalogue.def"
+    };
+    return kBytes[int(dt)];
+}
 inline const void* elem_ptr(const void* base, int64_t off, DType dt) {
     return static_cast<const char*>(base) + off * int64_t(dtype_size(dt));
 }

@@ -1,24 +1,24 @@
-// The FlashAttention-2 tile loop, written once and instantiated by every family's file with its
-// vector traits V (vector math: see generic.cpp / avx2.cpp / avx512.cpp) and a GEMM policy G
-// (operand packing + micro-kernels: gemm_f32.h, or the bf16 one in avx512bf16.cpp).
+// The FlashAttention-2 tile loop, written once and instantiated by every route with its vector
+// traits V (vector math: generic.cpp / avx2.cpp / vec_avx512.h) and a GEMM policy G (operand
+// layouts, packing and micro-kernels: policy.h describes the interface).
 //
 // Formulation: "rows in lanes". A work item holds R query rows (heads x query positions); vector
-// lane l of row-vector v is row v*W + l. Per item:
+// lane l of row-vector v is row v*W + l. Per item (scratch laid out by `layout`):
 //
-//   q   G's Q operand for M rows (float32 [D][M] pre-scaled, or bf16 pairs), zero rows >= R
-//   o   unnormalised output accumulator, float32, in G's layout (O^T [Dv][M] for all but decode)
-//   m,l [M]           running max (log2 domain) and running sum per row
-//   kp, vp            one packed K / V tile in G's layout (unused when G reads them in place)
-//   s   [Bc][RB]      float32 scores, then probabilities, of one row block (RB = G::RB rows)
+//   q      G's Q operand for M rows, zero rows >= R
+//   o      unnormalised output accumulator, float32, in G's layout
+//   m, l   [M] running max (log2 domain) and running sum per row
+//   kp, vp one packed K / V tile in G's layout (unused when G reads K/V in place)
+//   s      [BC][RB] float32 scores, then probabilities, of one row block (RB = G::RB rows)
 //
-// with M = R rounded up to G::kRowAlign (a multiple of W). Q is scaled by scale*log2e (or scale/softcap with softcap), either
-// while packing or, for G::kPostScale, on the micro-kernel's output.
+// with M = R rounded up to G::kRowAlign (a multiple of W). The score scale is scale*log2e, or
+// scale/softcap with softcap (tanh takes the unscaled logit), applied where G::kScaleAt says.
 // Scores are kept in the log2 domain so the softmax uses exp2; LSE is converted back at the end.
 // Because rows are in lanes, the row max/sum are vertical vector ops and neither K nor V needs a
 // transpose while packing (the micro-kernels broadcast single K/V elements).
 #pragma once
-#include "gemm_f32.h"
 #include "kernel.h"
+#include "policy.h"
 
 namespace fa2cpu {
 namespace {
@@ -31,28 +31,33 @@ struct TileLoop {
     static constexpr int RV = G::RV;    // row vectors per row block
     static constexpr int RB = RV * W;   // rows per row block
     static constexpr int64_t BC = G::BC;
+    static_assert(G::W == W && G::kRowAlign % W == 0, "the policy's rows fill the vector lanes");
 
     struct Layout {
         int64_t M;
-        int64_t qT, oT, kp, vp, pb, s, m, l, lo, hi, rel, slope, moff, keep, kvh, total;
+        int64_t q, o, kp, vp, p_pairs, s, m, l;
+        int64_t first_key, last_key, diagonal, slope, mask_row_offset, mask_values, row_kv_head, total;
     };
     static Layout layout(const Params& p, int64_t rows) {
         Layout L;
         L.M = round_up(rows < 1 ? 1 : rows, G::kRowAlign);
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
-        L.qT = take(G::q_floats(p.d, L.M));
-        L.oT = take(G::o_floats(p.dv, L.M));
+        L.q = take(G::q_floats(p.d, L.M));
+        L.o = take(G::o_floats(p.dv, L.M));
         L.kp = take(G::k_floats(p.d));
         L.vp = take(G::v_floats(p.dv));
-        L.pb = take(G::p_floats());
+        L.p_pairs = take(G::p_floats());
         L.s = take(BC * RB);
-        L.m = take(L.M); L.l = take(L.M);
-        L.lo = take(2 * L.M); L.hi = take(2 * L.M); L.rel = take(2 * L.M);  // int64 key positions
+        L.m = take(L.M);
+        L.l = take(L.M);
+        L.first_key = take(2 * L.M);        // int64 key positions: the row's visible range
+        L.last_key = take(2 * L.M);
+        L.diagonal = take(2 * L.M);         // int64: key position aligned with the row (alibi)
         L.slope = take(L.M);
-        L.moff = take(2 * L.M);   // int64 mask row offsets
-        L.keep = take(BC * RB);   // mask values of one row block (float, gathered)
-        L.kvh = take(L.M);        // int32 kv head of each row, relative to the item's first
+        L.mask_row_offset = take(2 * L.M);  // int64
+        L.mask_values = take(BC * RB);      // mask values of one row block (float, gathered)
+        L.row_kv_head = take(L.M);          // int32 kv head of each row, relative to the item's first
         L.total = o;
         return L;
     }
@@ -60,101 +65,105 @@ struct TileLoop {
 
     // ---- the item ------------------------------------------------------------------------
     static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+        FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffer below
         const int64_t b = it.b, group = p.hq / p.hk, D = p.d, Dv = p.dv;
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         const int64_t nqi = it.i1 - it.i0, R = (it.g1 - it.g0) * nqi;
         const Layout L = layout(p, R);
         const int64_t M = L.M;
-        float* qT = scratch + L.qT;  float* oT = scratch + L.oT;
-        float* kp = scratch + L.kp;  float* vp = scratch + L.vp;  float* s = scratch + L.s;
-        float* pbuf = scratch + L.pb;
-        float* mrow = scratch + L.m; float* lrow = scratch + L.l;
+        float* q = scratch + L.q;
+        float* o = scratch + L.o;
+        float* kp = scratch + L.kp;
+        float* vp = scratch + L.vp;
+        float* s = scratch + L.s;
+        float* mrow = scratch + L.m;
+        float* lrow = scratch + L.l;
         // Positions are int64 (exact beyond 2^24 keys); the epilogue turns them into small floats
         // relative to the current tile.
-        int64_t* lo_i = reinterpret_cast<int64_t*>(scratch + L.lo);
-        int64_t* hi_i = reinterpret_cast<int64_t*>(scratch + L.hi);
-        int64_t* rel = reinterpret_cast<int64_t*>(scratch + L.rel);
+        int64_t* first_key = reinterpret_cast<int64_t*>(scratch + L.first_key);
+        int64_t* last_key = reinterpret_cast<int64_t*>(scratch + L.last_key);
+        int64_t* diagonal = reinterpret_cast<int64_t*>(scratch + L.diagonal);
         float* slope = scratch + L.slope;
-        int64_t* moff = reinterpret_cast<int64_t*>(scratch + L.moff);
-        float* keep = scratch + L.keep;
-        int32_t* kvh = reinterpret_cast<int32_t*>(scratch + L.kvh);
+        int64_t* mask_row_offset = reinterpret_cast<int64_t*>(scratch + L.mask_row_offset);
+        float* mask_values = scratch + L.mask_values;
+        int32_t* row_kv_head = reinterpret_cast<int32_t*>(scratch + L.row_kv_head);
 
         const bool use_softcap = p.softcap > 0.f;
         const float qscale = use_softcap ? p.scale / p.softcap : p.scale * kLog2e;
         const float cap_l2 = p.softcap * kLog2e;
         const DType dt = DType(p.dtype);
-        // Where the score scale is applied: packed into Q, by the QK micro-kernel on its output
-        // (qk_scale), or folded into the softmax / bias pass (sm_scale, G::kScaleInSoftmax).
-        const float qk_scale = G::kPostScale && !G::kScaleInSoftmax ? qscale : 1.f;
-        const float sm_scale = G::kScaleInSoftmax ? qscale : 1.f;
+        const float pack_scale = G::kScaleAt == ScaleAt::packed_q ? qscale : 1.f;
+        const float softmax_scale = G::kScaleAt == ScaleAt::softmax ? qscale : 1.f;
+        const ItemOperands ops{q, o, scratch + L.p_pairs, M, D, Dv, G::kScaleAt == ScaleAt::qk_output ? qscale : 1.f};
 
-        // Rows: pack Q^T, set per-row visible ranges and bias parameters.
+        // Rows: pack Q, set per-row visible ranges and bias parameters.
         int64_t lo_min = nk, hi_max = -1;
         for (int64_t r = 0; r < M; ++r) {
             if (r >= R) {  // padding lanes: computed, never stored, never decide a skip
-                G::zero_q_row(qT, M, r, D);
-                lo_i[r] = 0; hi_i[r] = nk; rel[r] = 0; slope[r] = 0.f; moff[r] = 0;
-                kvh[r] = R > 0 ? kvh[R - 1] : 0;  // padding rows read the last row's head
+                G::zero_q_row(q, M, r, D);
+                first_key[r] = 0; last_key[r] = nk; diagonal[r] = 0; slope[r] = 0.f; mask_row_offset[r] = 0;
+                row_kv_head[r] = R > 0 ? row_kv_head[R - 1] : 0;  // padding rows read the last row's head
                 continue;
             }
-            const int64_t h = it.hkv * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
-            kvh[r] = int32_t(h / group - it.hkv);
-            float tmp[kMaxHeadDim];
-            load_row_scalar(tmp, elem_ptr(p.q, q_row_offset(p, b, i, p.q_sb, p.q_sn) + h * p.q_sh, dt), D, p.q_sd, dt);
-            G::pack_q_row(qT, M, r, tmp, D, G::kPostScale ? 1.f : qscale);
+            const int64_t h = it.kv_head * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
+            row_kv_head[r] = int32_t(h / group - it.kv_head);
+            float row[kMaxHeadDim];
+            const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
+            load_row_scalar(row, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
+            G::pack_q_row(q, M, r, row, D, pack_scale);
             int64_t lo, hi;
             visible_range(p, nq, nk, i, &lo, &hi);
             if (lo < it.kb) lo = it.kb;
             if (hi > it.ke - 1) hi = it.ke - 1;
             if (lo <= hi) { lo_min = lo < lo_min ? lo : lo_min; hi_max = hi > hi_max ? hi : hi_max; }
-            lo_i[r] = lo; hi_i[r] = hi;
-            rel[r] = nk + (i - nq);
-            slope[r] = p.alibi ? -p.alibi[b * p.al_sb + h * p.al_sh] * kLog2e : 0.f;
-            moff[r] = p.mask ? b * p.m_sb + h * p.m_sh + i * p.m_sq : 0;
+            first_key[r] = lo; last_key[r] = hi;
+            diagonal[r] = nk + (i - nq);
+            slope[r] = p.alibi ? -p.alibi[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e : 0.f;
+            mask_row_offset[r] = p.mask ? b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_query_stride : 0;
         }
         for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
-        for (int64_t j = 0; j < G::o_floats(Dv, M); ++j) oT[j] = 0.f;
-        const int64_t khead = it.hkv * p.k_sh, vhead = it.hkv * p.v_sh;
-        // Policies that read paged K/V in place (G::kTilesInBlocks) get tiles that end at block ends.
-        const bool block_tiles = G::kTilesInBlocks && p.block_table != nullptr;
+        for (int64_t j = 0; j < G::o_floats(Dv, M); ++j) o[j] = 0.f;
+        const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
+        const bool block_tiles = G::kTilesEndAtBlocks && p.block_table != nullptr;
         for (int64_t c0 = lo_min, nc = 0; c0 <= hi_max; c0 += nc) {
             nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
             if (block_tiles && p.block_size - c0 % p.block_size < nc) nc = p.block_size - c0 % p.block_size;
-            int64_t ldk, ldv;
-            const void* kt = G::k_tile(p, b, c0, nc, khead, kp, &ldk);
-            const void* vt = G::v_tile(p, b, c0, nc, vhead, vp, &ldv);
+            const KvTile kt = G::k_tile(p, b, c0, nc, k_head, kp);
+            const KvTile vt = G::v_tile(p, b, c0, nc, v_head, vp);
             for (int64_t r0 = 0; r0 < M; r0 += RB) {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                 const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
                 // Skip blocks with no visible key in this tile; find whether masking is needed.
                 int64_t blo = INT64_MAX, bhi = INT64_MIN, blo_max = INT64_MIN, bhi_min = INT64_MAX;
                 for (int64_t r = r0; r < rend; ++r) {
-                    if (lo_i[r] > hi_i[r]) { blo_max = INT64_MAX; continue; }  // row sees nothing
-                    blo = lo_i[r] < blo ? lo_i[r] : blo;  bhi = hi_i[r] > bhi ? hi_i[r] : bhi;
-                    blo_max = lo_i[r] > blo_max ? lo_i[r] : blo_max;
-                    bhi_min = hi_i[r] < bhi_min ? hi_i[r] : bhi_min;
+                    if (first_key[r] > last_key[r]) { blo_max = INT64_MAX; continue; }  // row sees nothing
+                    blo = first_key[r] < blo ? first_key[r] : blo;
+                    bhi = last_key[r] > bhi ? last_key[r] : bhi;
+                    blo_max = first_key[r] > blo_max ? first_key[r] : blo_max;
+                    bhi_min = last_key[r] < bhi_min ? last_key[r] : bhi_min;
                 }
                 if (blo > c0 + nc - 1 || bhi < c0) continue;
                 // Keys past every row's last visible key (the causal diagonal) are not computed.
                 const int64_t ncb = bhi - c0 + 1 < nc ? bhi - c0 + 1 : nc;
                 const bool range_mask = blo_max > c0 || bhi_min < c0 + ncb - 1;
 
-                const RowHeads heads{kvh + r0, p.k_sh, p.v_sh};
-                G::qk(nv, int(rend - r0), G::q_at(qT, r0, D, M), M, kt, ldk, D, ncb, s, qk_scale, heads);
-                const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, sm_scale, lo_i, hi_i,
-                                             rel, slope, moff, keep, s);
-                softmax_update(nv, ncb, s, mrow + r0, lrow + r0, oT, r0, M, Dv, biased ? 1.f : sm_scale, pbuf);
-                G::pv(nv, int(rend - r0), s, ncb, vt, ldv, Dv, oT, r0, M, pbuf, heads);
+                const RowBlock rows{r0, nv, int(rend - r0), row_kv_head + r0};
+                G::qk(ops, rows, kt, ncb, s);
+                const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, softmax_scale,
+                                             first_key, last_key, diagonal, slope, mask_row_offset, mask_values, s);
+                softmax_update(ops, nv, ncb, s, mrow + r0, lrow + r0, r0, biased ? 1.f : softmax_scale);
+                G::pv(ops, rows, s, ncb, vt);
             }
         }
-        finish(p, it, R, nqi, M, oT, mrow, lrow, parts);
+        finish(p, it, R, nqi, M, o, mrow, lrow, parts);
     }
 
     // Scores -> log2-domain logits with every bias and mask applied (only what is enabled), the
     // pending scale first. Returns false (and touches nothing) when nothing is enabled.
     static bool epilogue(const Params& p, int nv, int64_t r0, int64_t c0, int64_t nc, bool range_mask,
-                         bool use_softcap, float cap_l2, float scale, const int64_t* lo_i, const int64_t* hi_i,
-                         const int64_t* rel, const float* slope, const int64_t* moff, float* keep, float* s) {
+                         bool use_softcap, float cap_l2, float scale, const int64_t* first_key,
+                         const int64_t* last_key, const int64_t* diagonal, const float* slope,
+                         const int64_t* mask_row_offset, float* mask_values, float* s) {
         const bool alibi = p.alibi != nullptr;
         const MaskKind mk = p.mask ? MaskKind(p.mask_kind) : MaskKind::none;
         if (!use_softcap && !alibi && mk == MaskKind::none && !range_mask) return false;
@@ -165,10 +174,10 @@ struct TileLoop {
             // [-1, nc] and key offsets c < nc <= BC are exact in float32 whatever the position.
             alignas(64) float lo_t[W], hi_t[W], rl_t[W];
             for (int t = 0; t < W; ++t) {
-                const int64_t a = lo_i[rv + t] - c0, z = hi_i[rv + t] - c0;
+                const int64_t a = first_key[rv + t] - c0, z = last_key[rv + t] - c0;
                 lo_t[t] = float(a < -1 ? -1 : a > nc ? nc : a);
                 hi_t[t] = float(z < -1 ? -1 : z > nc ? nc : z);
-                rl_t[t] = float(rel[rv + t] - c0);
+                rl_t[t] = float(diagonal[rv + t] - c0);
             }
             const vec lo = V::load(lo_t), hi = V::load(hi_t);
             const vec rl = V::load(rl_t), sl = V::load(slope + rv);
@@ -180,15 +189,15 @@ struct TileLoop {
                 if (use_softcap) x = V::mul(V::set1(cap_l2), V::tanh(x));
                 if (alibi) x = V::fma(sl, V::abs(V::sub(rl, V::set1(kc))), x);
                 if (mk != MaskKind::none) {
-                    float* kv = keep + c * RB + v * W;
+                    float* mv = mask_values + c * RB + v * W;
                     if (mk == MaskKind::boolean) {
                         const uint8_t* mb = static_cast<const uint8_t*>(p.mask);
-                        for (int t = 0; t < W; ++t) kv[t] = mb[moff[rv + t] + (c0 + c) * p.m_sk] ? 0.f : -INFINITY;
+                        for (int t = 0; t < W; ++t) mv[t] = mb[mask_row_offset[rv + t] + (c0 + c) * p.mask_key_stride] ? 0.f : -INFINITY;
                     } else {
                         const float* mf = static_cast<const float*>(p.mask);
-                        for (int t = 0; t < W; ++t) kv[t] = mf[moff[rv + t] + (c0 + c) * p.m_sk] * kLog2e;
+                        for (int t = 0; t < W; ++t) mv[t] = mf[mask_row_offset[rv + t] + (c0 + c) * p.mask_key_stride] * kLog2e;
                     }
-                    x = V::add(x, V::load(kv));
+                    x = V::add(x, V::load(mv));
                 }
                 if (range_mask) x = V::mask_outside(x, V::set1(kc), lo, hi, ninf);
                 V::store(sp, x);
@@ -199,10 +208,10 @@ struct TileLoop {
 
     // Online softmax for one row block: new max, p = exp2(scale*s - m), l and O rescaled only for
     // row vectors whose max moved. -inf - -inf is guarded: a row that has seen no visible key keeps
-    // m = -inf, l = 0 and contributes p = 0. P goes back into s (float32), or for G::kPairedP
-    // straight into G's bf16 pair buffer (one pass instead of store + convert).
-    static void softmax_update(int nv, int64_t nc, float* s, float* m, float* l, float* oT, int64_t r0, int64_t M,
-                               int64_t Dv, float scale, float* pbuf) {
+    // m = -inf, l = 0 and contributes p = 0. P goes back into s (float32), or for
+    // PStore::bf16_pairs straight into G's pair buffer (one pass instead of store + convert).
+    static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
+                               float scale) {
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
         for (int v = 0; v < nv; ++v) {
             vec mx = ninf;
@@ -215,12 +224,12 @@ struct TileLoop {
             const vec m_use = V::zero_where_ninf(m_new);
             const vec neg_m = V::sub(V::zero(), m_use);
             vec sum = V::zero();
-            if constexpr (G::kPairedP) {
+            if constexpr (G::kPStore == PStore::bf16_pairs) {
                 for (int64_t c = 0; c < nc; c += 2) {
                     const vec e0 = V::exp2(V::fma(V::load(s + c * RB + v * W), sc, neg_m));
                     const vec e1 = c + 1 < nc ? V::exp2(V::fma(V::load(s + (c + 1) * RB + v * W), sc, neg_m)) : V::zero();
                     sum = V::add(sum, V::add(e0, e1));
-                    G::store_p_pair(pbuf, c / 2, v, e0, e1);
+                    G::store_p_pair(ops.p_pairs, c / 2, v, e0, e1);
                 }
             } else {
                 for (int64_t c = 0; c < nc; ++c) {
@@ -233,7 +242,7 @@ struct TileLoop {
             if (V::any_gt(m_new, m_old)) {
                 const vec alpha = V::exp2(V::sub(m_old, m_use));
                 V::store(l + v * W, V::fma(V::load(l + v * W), alpha, sum));
-                G::rescale_o(oT, M, Dv, r0 + v * W, alpha);
+                G::rescale_o(ops.o, ops.M, ops.dv, r0 + v * W, alpha);
             } else {
                 V::store(l + v * W, V::add(V::load(l + v * W), sum));
             }
@@ -243,7 +252,7 @@ struct TileLoop {
 
     // Normalise once per item and write the output rows (or the split's partial rows).
     static void finish(const Params& p, const WorkItem& it, int64_t R, int64_t nqi, int64_t M,
-                       const float* oT, const float* mrow, const float* lrow, Partials parts) {
+                       const float* o, const float* mrow, const float* lrow, Partials parts) {
         const int64_t b = it.b, group = p.hq / p.hk, Dv = p.dv;
         for (int64_t r = 0; r < R; ++r) {
             const float l = lrow[r];
@@ -251,23 +260,18 @@ struct TileLoop {
             const float lse2 = l == 0.f ? -INFINITY : mrow[r] + std::log2(l);
             if (it.part >= 0) {
                 float* po = parts.o + (it.part + r) * Dv;
-                for (int64_t j = 0; j < Dv; ++j) po[j] = G::o_elem(oT, M, Dv, r, j) * inv;
+                for (int64_t j = 0; j < Dv; ++j) po[j] = G::o_elem(o, M, Dv, r, j) * inv;
                 parts.lse[it.part + r] = lse2;
                 continue;
             }
-            const int64_t h = it.hkv * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
-            const int64_t ob = q_row_offset(p, b, i, p.o_sb, p.o_sn) + h * p.o_sh;
-            for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, ob + j * p.o_sd, G::o_elem(oT, M, Dv, r, j) * inv, DType(p.dtype));
-            if (p.lse) p.lse[q_row_offset(p, b, i, p.l_sb, p.l_sn) + h * p.l_sh] = lse2 * kLn2;
+            const int64_t h = it.kv_head * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
+            const int64_t out_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
+            for (int64_t j = 0; j < Dv; ++j)
+                store_scalar(p.out, out_at + j * p.out_dim_stride, G::o_elem(o, M, Dv, r, j) * inv, DType(p.dtype));
+            if (p.lse) p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride] = lse2 * kLn2;
         }
     }
 };
-
-// Builds the dispatch-table row of a family from its traits.
-template <class V, class G>
-KernelTable make_table(Isa isa, double (*peak)(int, double)) {
-    return KernelTable{isa, V::MAX_ROWS, G::BC, 0, 0, &TileLoop<V, G>::scratch_floats, &TileLoop<V, G>::run_item, peak};
-}
 
 }  // namespace
 }  // namespace fa2cpu

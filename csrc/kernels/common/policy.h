@@ -1,0 +1,68 @@
+// The interface between the tile loop (tile_loop.h) and a GEMM policy (gemm_f32.h, gemm_bf16.h,
+// gemm_decode.h, amx.cpp's AmxGemm): operand layouts, packing and the two products of a tile.
+// A policy is a struct of compile-time traits (like flash-attn's kernel_traits) and static
+// functions:
+//
+//   traits   W lanes, RV row vectors per row block, RB = RV*W rows per row block, BC keys per K/V
+//            tile, kMaxRows rows per item, kRowAlign (item rows are padded to it), kScaleAt,
+//            kPStore, kTilesEndAtBlocks (paged K/V read in place: a tile never crosses a block)
+//   scratch  q_floats(D, M), o_floats(Dv, M), k_floats(D), v_floats(Dv), p_floats()
+//   Q        pack_q_row(q, M, r, row, D, scale), zero_q_row(q, M, r, D)
+//   K, V     k_tile / v_tile(p, b, c0, nc, head_offset, buf) -> KvTile (in place or packed in buf)
+//   products qk(ops, rows, k_tile, keys, s): S block of `rows`;  pv(ops, rows, s, keys, v_tile): O += P V
+//   O        o_elem(o, M, Dv, r, j), rescale_o(o, M, Dv, r, alpha) (TransposedO below for most)
+#pragma once
+#include "kernel.h"
+
+namespace fa2cpu {
+namespace {
+
+// Where the score scale (scale*log2e, or scale/softcap) is applied.
+enum class ScaleAt {
+    packed_q,   // Q is packed pre-scaled (float32 Q: exact enough, and free)
+    qk_output,  // the QK micro-kernel multiplies its float32 output (bf16 Q: scaling would round)
+    softmax,    // the softmax / bias pass scales S (AMX stores tiles unscaled)
+};
+// Where the softmax leaves P for the PV product.
+enum class PStore {
+    f32_in_scores,  // float32 P overwrites S
+    bf16_pairs,     // bf16 pairs along the key axis in ItemOperands::p_pairs (policy's store_p_pair)
+};
+
+// One item's operands as the micro-kernels see them.
+struct ItemOperands {
+    const float* q;  // the policy's Q layout for M rows
+    float* o;        // the policy's O accumulator layout for M rows
+    float* p_pairs;  // PStore::bf16_pairs: P of the current row block
+    int64_t M, d, dv;
+    float qk_scale;  // ScaleAt::qk_output: factor for the QK output (else 1)
+};
+// A row block: rows [r0, r0 + rows) of the item, `vectors` row vectors of W lanes (rows past
+// `rows` are padding). kv_head[r - r0]: kv head of row r relative to the item's first (items that
+// span kv heads; 0 otherwise).
+struct RowBlock {
+    int64_t r0;
+    int vectors, rows;
+    const int32_t* kv_head;
+};
+// A K or V tile: key c of kv head (first + h) at data + c*ld + h*head_stride (elements);
+// prefetch: distance (elements) to the same row of the next tile's keys, 0 for none.
+struct KvTile {
+    const void* data;
+    int64_t ld, head_stride, prefetch;
+};
+
+// The O accumulator of the "rows in lanes" policies: O^T [o_rows][M], row r's column j at
+// o[j*M + r].
+template <class V>
+struct TransposedO {
+    static int64_t o_rows(int64_t Dv) { return Dv; }
+    static int64_t o_floats(int64_t Dv, int64_t M) { return Dv * M; }
+    static float o_elem(const float* o, int64_t M, int64_t, int64_t r, int64_t j) { return o[j * M + r]; }
+    static void rescale_o(float* o, int64_t M, int64_t Dv, int64_t r, typename V::vec alpha) {
+        for (int64_t j = 0; j < Dv; ++j) V::store(o + j * M + r, V::mul(V::load(o + j * M + r), alpha));
+    }
+};
+
+}  // namespace
+}  // namespace fa2cpu

@@ -1,0 +1,83 @@
+// Routes: how a family's file declares which loop computes which items. A family lists its routes
+// (best first) and `make_table` derives the dispatch-table row: the planner picks, per sequence,
+// the first route that serves it, sizes items by the route's own max_rows / kv_tile (so split-KV
+// boundaries always fall on that route's tile boundaries) and runs items with its run_item.
+//
+//   Route type         serves                                   items
+//   TileRoute<L, S>    S::serves(p, rows per kv head)           L = TileLoop<V, GEMM policy>
+//   DecodeRoute<...>   <= DecodeGemm::kRowsPerHead rows per     TileLoop<V512, DecodeGemm<dtype>>,
+//                      kv head (decode, GQA group of a token)   spanning kv heads where heads interleave
+//
+// Selectors S: AnyInput, Bf16Input, Bf16Rows<n> (bf16 with >= n rows per kv head).
+#pragma once
+#include "kernel.h"
+#include "tile_loop.h"
+
+namespace fa2cpu {
+namespace {
+
+struct AnyInput {
+    static bool serves(const Params&, int64_t) { return true; }
+};
+struct Bf16Input {
+    static bool serves(const Params& p, int64_t) { return DType(p.dtype) == DType::bf16; }
+};
+template <int64_t kMinRows>
+struct Bf16Rows {
+    static bool serves(const Params& p, int64_t rows) { return DType(p.dtype) == DType::bf16 && rows >= kMinRows; }
+};
+
+inline int64_t one_kv_head(const Params&, int64_t) { return 1; }
+
+template <class Loop, class Select = AnyInput>
+struct TileRoute {
+    static constexpr Route route(const char* name) {
+        return Route{name, &Select::serves, &one_kv_head, Loop::G::kMaxRows, Loop::BC,
+                     &Loop::scratch_floats, &Loop::run_item};
+    }
+};
+
+// `Elem<DType>::loop` is the tile loop for one input dtype (gemm_decode.h's DecodeGemm<F32Elem>...).
+template <class LoopF32, class LoopF16, class LoopBf16>
+struct DecodeRoute {
+    using G = typename LoopF32::G;
+    static_assert(LoopF16::BC == LoopF32::BC && LoopBf16::BC == LoopF32::BC, "one tile size for every dtype");
+    static bool serves(const Params&, int64_t rows_per_kv_head) { return rows_per_kv_head <= G::kRowsPerHead; }
+    // Items span kv heads when the cache interleaves heads within a position and K/V are read in
+    // place (unit feature stride: a packed tile holds one head).
+    static int64_t kv_heads_per_item(const Params& p, int64_t rows_per_kv_head) {
+        const bool interleaved = p.k_dim_stride == 1 && p.v_dim_stride == 1 &&
+                                 std::llabs(p.k_head_stride) <= std::llabs(p.k_row_stride) &&
+                                 std::llabs(p.v_head_stride) <= std::llabs(p.v_row_stride);
+        if (!interleaved || p.hk < 2) return 1;
+        const int64_t n = G::kMaxRows / (rows_per_kv_head < 1 ? 1 : rows_per_kv_head);
+        return n < 1 ? 1 : n > p.hk ? p.hk : n;
+    }
+    static int64_t scratch_floats(const Params& p, int64_t rows) {
+        switch (DType(p.dtype)) {
+            case DType::bf16: return LoopBf16::scratch_floats(p, rows);
+            case DType::f16: return LoopF16::scratch_floats(p, rows);
+            default: return LoopF32::scratch_floats(p, rows);
+        }
+    }
+    static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+        switch (DType(p.dtype)) {
+            case DType::bf16: return LoopBf16::run_item(p, it, scratch, parts);
+            case DType::f16: return LoopF16::run_item(p, it, scratch, parts);
+            default: return LoopF32::run_item(p, it, scratch, parts);
+        }
+    }
+    static constexpr Route route(const char* name) {
+        return Route{name, &serves, &kv_heads_per_item, G::kMaxRows, LoopF32::BC, &scratch_floats, &run_item};
+    }
+};
+
+// The dispatch-table row of a family: its routes, best first (the last must serve everything).
+template <class... Routes>
+constexpr KernelTable make_table(double (*peak)(int, double), Routes... routes) {
+    static_assert(sizeof...(Routes) <= kMaxRoutes, "raise kMaxRoutes");
+    return KernelTable{{routes...}, int(sizeof...(Routes)), peak};
+}
+
+}  // namespace
+}  // namespace fa2cpu
