@@ -26,6 +26,10 @@ namespace {
 // kMinKeysPerSplit keys (a split costs a partial write + merge of its rows).
 constexpr int64_t kMinItemsPerThread = 2;
 constexpr int64_t kMinKeysPerSplit = 512;
+// Shared K/V tiles (kernel.h SharedTiles) are used when they fit in this many bytes; the buffer
+// is kept for the calling thread's next call up to kKeepSharedBytes.
+constexpr int64_t kSharedTilesBudgetBytes = int64_t(512) << 20;
+constexpr int64_t kKeepSharedBytes = int64_t(64) << 20;
 
 struct MergeGroup {
     WorkItem base;   // rows of the group (kb/ke unused)
@@ -55,7 +59,36 @@ struct Plan {
     std::vector<MergeGroup> merges;
     int64_t part_rows = 0;
     int64_t route_rows[kMaxRoutes] = {};  // most rows of an item per route (sizes the scratch)
+    int shared_route = -1;                // every item's route when K/V tiles are shared, else -1
+    int64_t shared_floats[2] = {0, 0};    // per slot of K / V
+    int64_t tiles_per_seq = 0;
 };
+
+// Whether packing K/V once per (sequence, kv head) pays: one route for all sequences (one tile
+// size), an operand it packs, tiles that start at multiples of the tile (no left window bound),
+// more than one item per kv head, and the slots within budget. FA2CPU_SHARED_TILES=0 turns it off
+// (for A/B measurements).
+void plan_shared_tiles(const Params& p, const KernelTable& T, const std::vector<int>& seq_route, int64_t items_per_head,
+                       Plan& plan) {
+    static const bool enabled = [] {
+        const char* e = std::getenv("FA2CPU_SHARED_TILES");
+        return !(e && e[0] == '0');
+    }();
+    if (!enabled || p.window_left >= 0 || items_per_head < 2 || seq_route.empty()) return;
+    for (int r : seq_route)
+        if (r != seq_route[0]) return;
+    const Route& R = T.routes[seq_route[0]];
+    int64_t nk_max = 0;
+    for (int64_t b = 0; b < p.batch; ++b) nk_max = std::max(nk_max, seq_nk(p, b));
+    const int64_t tiles = (nk_max + R.kv_tile - 1) / R.kv_tile;
+    const int64_t fk = R.shared_tile_floats(p, 0), fv = R.shared_tile_floats(p, 1);
+    const double bytes = double(p.batch) * double(p.hk) * double(tiles) * double(fk + fv) * 4.0;
+    if (fk + fv == 0 || tiles == 0 || bytes > double(kSharedTilesBudgetBytes)) return;
+    plan.shared_route = seq_route[0];
+    plan.shared_floats[0] = fk;
+    plan.shared_floats[1] = fv;
+    plan.tiles_per_seq = tiles;
+}
 
 // The first of the family's routes that serves a sequence with `rows_per_kv_head` rows per kv head.
 int pick_route(const Params& p, const KernelTable& T, int64_t rows_per_kv_head) {
@@ -70,21 +103,24 @@ int pick_route(const Params& p, const KernelTable& T, int64_t rows_per_kv_head) 
 Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     Plan plan;
     const int64_t G = p.hq / p.hk;
-    struct Base { WorkItem it; int64_t kb, ke; double cost; };
+    struct Base { WorkItem it; int64_t kb, ke; double cost; int64_t chunk; };
     std::vector<Base> bases;
+    std::vector<int> seq_route;
+    int64_t items_per_head = 0, chunk = 0;
     auto add = [&](WorkItem it, int64_t nq, int64_t nk) {
         int64_t lo0, hi0, lo1, hi1;
         visible_range(p, nq, nk, it.i0, &lo0, &hi0);
         visible_range(p, nq, nk, it.i1 - 1, &lo1, &hi1);
         const int64_t kb = std::min(lo0, lo1), ke = std::max(hi0, hi1) + 1;
         const double rows = double((it.g1 - it.g0) * (it.i1 - it.i0));
-        bases.push_back({it, kb, ke, rows * double(std::max<int64_t>(0, ke - kb) + 64)});
+        bases.push_back({it, kb, ke, rows * double(std::max<int64_t>(0, ke - kb) + 64), chunk});
     };
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         if (nq <= 0) continue;
         const int route = pick_route(p, T, G * nq);
         const Route& R = T.routes[route];
+        seq_route.push_back(route);
         const int64_t span = std::min<int64_t>(p.hk, std::max<int64_t>(1, R.kv_heads_per_item(p, G * nq)));
         if (span > 1) {  // all rows of `span` kv heads per item
             for (int64_t h = 0; h < p.hk; h += span) {
@@ -99,13 +135,22 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         const int64_t want = std::max<int64_t>(1, R.max_rows / gh);
         const int64_t chunks = (nq + want - 1) / want;
         const int64_t nqi = (nq + chunks - 1) / chunks;
-        for (int64_t h = 0; h < p.hk; ++h)
+        items_per_head = std::max(items_per_head, chunks * ((G + gh - 1) / gh));
+        for (int64_t h = 0; h < p.hk; ++h) {
+            chunk = 0;
             for (int64_t g0 = 0; g0 < G; g0 += gh)
-                for (int64_t i0 = 0; i0 < nq; i0 += nqi) {
+                for (int64_t i0 = 0; i0 < nq; i0 += nqi, ++chunk) {
                     const int64_t g1 = std::min(G, g0 + gh), i1 = std::min(nq, i0 + nqi);
                     add(WorkItem{int32_t(b), int32_t(h), int32_t(g0), int32_t(g1), i0, i1, 0, nk, -1, 1, route}, nq, nk);
                 }
+        }
     }
+    plan_shared_tiles(p, T, seq_route, items_per_head, plan);
+    // With shared tiles, the first items of every head come first (chunk-major order, kept by the
+    // stable cost sort below): concurrent threads then pack different heads' tiles, and later
+    // items find them ready, rather than all threads racing for the same head's first tile.
+    if (plan.shared_route >= 0)
+        std::stable_sort(bases.begin(), bases.end(), [](const Base& x, const Base& y) { return x.chunk < y.chunk; });
     const int64_t nbase = int64_t(bases.size());
     for (const Base& bs : bases) {
         const int64_t rows = (bs.it.g1 - bs.it.g0) * (bs.it.i1 - bs.it.i0);
@@ -213,9 +258,29 @@ struct RunCtx {
     const KernelTable* T;
     const Plan* plan;
     Partials parts;
+    SharedTiles* shared;
     int64_t scratch_floats;
     std::atomic<int> failed{0};
 };
+
+// The calling thread's shared-tile memory, reused by its next call when small.
+struct SharedTileMemory {
+    float* data = nullptr;
+    int64_t floats = 0;
+    std::vector<SharedSlot> slots[2];
+    ~SharedTileMemory() { std::free(data); }
+    bool reserve(int64_t n) {
+        if (n <= floats) return true;
+        std::free(data);
+        data = static_cast<float*>(std::aligned_alloc(64, size_t(round_up(n, 16)) * 4));
+        floats = data ? n : 0;
+        return data != nullptr;
+    }
+    void trim() {
+        if (floats * 4 > kKeepSharedBytes) { std::free(data); data = nullptr; floats = 0; }
+    }
+};
+thread_local SharedTileMemory tls_shared;
 
 void run_item_on_thread(int64_t i, void* c) {
     RunCtx& x = *static_cast<RunCtx*>(c);
@@ -225,7 +290,7 @@ void run_item_on_thread(int64_t i, void* c) {
         return;
     }
     const WorkItem& it = x.plan->items[size_t(i)];
-    x.T->routes[it.route].run_item(*x.p, it, scratch, x.parts);
+    x.T->routes[it.route].run_item(*x.p, it, ItemContext{scratch, x.parts, x.shared});
 }
 
 void merge_on_thread(int64_t g, void* c) {
@@ -253,13 +318,32 @@ int forward(const Params& p) {
     ctx.T = &T;
     ctx.plan = &plan;
     ctx.parts = Partials{part_o.data(), part_lse.data()};
+    ctx.shared = nullptr;
+    SharedTiles shared{};
+    if (plan.shared_route >= 0) {
+        const int64_t slots = p.batch * p.hk * plan.tiles_per_seq;
+        if (tls_shared.reserve(slots * (plan.shared_floats[0] + plan.shared_floats[1]))) {
+            for (int w = 0; w < 2; ++w) {
+                std::vector<SharedSlot> fresh(size_t(plan.shared_floats[w] ? slots : 0));
+                for (SharedSlot& s : fresh) s.state.store(0, std::memory_order_relaxed);
+                tls_shared.slots[w].swap(fresh);
+                shared.slots[w] = tls_shared.slots[w].data();
+                shared.floats[w] = plan.shared_floats[w];
+            }
+            shared.data[0] = tls_shared.data;
+            shared.data[1] = tls_shared.data + slots * plan.shared_floats[0];
+            shared.tiles_per_seq = plan.tiles_per_seq;
+            ctx.shared = &shared;
+        }
+    }
     ctx.scratch_floats = 0;
     for (int r = 0; r < T.num_routes; ++r)
         if (plan.route_rows[r] > 0)
             ctx.scratch_floats = std::max(ctx.scratch_floats, T.routes[r].scratch_floats(p, plan.route_rows[r]));
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
-    if (ctx.failed.load()) return 1;
+    if (ctx.failed.load()) { tls_shared.trim(); return 1; }
     parallel_for(int64_t(plan.merges.size()), threads, &merge_on_thread, &ctx);
+    tls_shared.trim();
     return 0;
 }
 

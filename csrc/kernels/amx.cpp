@@ -78,6 +78,9 @@ struct AmxGemm : TransposedO<V512> {
         for (int64_t t = 0; t < d2p(D); ++t) q[t * M + r] = 0;
     }
 
+    static bool packs_k(const Params& p) { return !(p.k_dim_stride == 1 && p.d % 32 == 0 && !p.block_table); }
+    static bool packs_v(const Params&) { return true; }
+
     // K rows as A tiles: in place for unpaged contiguous bf16 with D % 32 == 0 and a whole
     // number of 32-key blocks; else packed [round_up(nc,32)][round_up(D,32)] with zeros.
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
@@ -210,9 +213,9 @@ struct AmxGemm : TransposedO<V512> {
 // The AMX tile loop: tiles configured per item (cheap next to a 32+ row item, and robust to other
 // tile users in the thread), released after it.
 struct AmxLoop : TileLoop<V512, AmxGemm> {
-    static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
         configure_tiles();
-        TileLoop<V512, AmxGemm>::run_item(p, it, scratch, parts);
+        TileLoop<V512, AmxGemm>::run_item(p, it, ctx);
         _tile_release();
     }
 };

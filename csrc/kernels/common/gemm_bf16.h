@@ -50,6 +50,8 @@ struct Bf16Gemm : TransposedO<V> {
         for (int64_t t = 0; 2 * t < D; ++t) q[t * M + r] = 0;
     }
 
+    static bool packs_k(const Params& p) { return !(p.k_dim_stride == 1 && p.d % 2 == 0 && !p.block_table); }
+    static bool packs_v(const Params&) { return true; }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t D = p.d, Dp = round_up(D, 2);
         const uint16_t* k = static_cast<const uint16_t*>(p.k);

@@ -39,6 +39,8 @@ struct F32Gemm : TransposedO<V> {
     }
     // K/V tile of nc rows from key position c0: read in place when float32 with unit feature
     // stride and not paged, else packed row-major (strides, paging, dtype conversion end here).
+    static bool packs_k(const Params& p) { return !(DType(p.dtype) == DType::f32 && p.k_dim_stride == 1 && !p.block_table); }
+    static bool packs_v(const Params& p) { return !(DType(p.dtype) == DType::f32 && p.v_dim_stride == 1 && !p.block_table); }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.d, b, c0, nc, head, buf);
     }

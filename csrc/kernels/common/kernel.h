@@ -3,6 +3,7 @@
 // different -m flags in different translation units, and inline functions with external linkage
 // could be merged by the linker across them (an AVX-512 copy running on an AVX2 machine).
 #pragma once
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +34,38 @@ struct Partials {
     float* lse;
 };
 
+// A K or V tile as a GEMM policy's micro-kernels read it: key c of kv head (first + h) at
+// data + c*ld + h*head_stride (elements); prefetch: distance (elements) to the same row of the
+// next tile's keys, 0 for none.
+struct KvTile {
+    const void* data;
+    int64_t ld, head_stride, prefetch;
+};
+
+// K/V tiles packed once per (sequence, kv head) and shared by every item of that head (the driver
+// owns the memory). Slot (b, h, t) of operand w (0 K, 1 V) holds tile t, keys [t*tile, ...), in the
+// policy's packed layout; its state goes 0 (empty) -> 1 (being packed) -> 2 (ready) once. The
+// tile loop uses a slot only for a whole natural tile (tile_loop.h); an item that finds a slot
+// being packed waits briefly, then packs its own copy: nothing ever blocks on another thread.
+struct SharedSlot {
+    std::atomic<int> state;
+    KvTile tile;
+};
+struct SharedTiles {
+    SharedSlot* slots[2];   // [batch][hk][tiles_per_seq] per operand
+    float* data[2];         // slot i's buffer at data[w] + i*floats[w]
+    int64_t floats[2];      // floats per slot; 0: that operand is read in place, not shared
+    int64_t tiles_per_seq;
+};
+
+// What run_item gets besides the item: per-thread scratch, the split-KV partials, shared tiles
+// (nullptr when the call shares none).
+struct ItemContext {
+    float* scratch;
+    Partials parts;
+    SharedTiles* shared;
+};
+
 // One way a family computes items (a loop + GEMM policy); kernels/common/routes.h derives these
 // fields from the route's compile-time traits.
 struct Route {
@@ -45,7 +78,9 @@ struct Route {
     int64_t max_rows;  // rows of one item (heads x queries); sizes the Q/O scratch
     int64_t kv_tile;   // keys per K/V tile: split-KV boundaries fall on multiples of it
     int64_t (*scratch_floats)(const Params& p, int64_t rows);  // per-thread scratch, <= rows rows
-    void (*run_item)(const Params& p, const WorkItem& it, float* scratch, Partials parts);
+    // Floats of one shared K (which = 0) / V (1) tile slot; 0 when the route reads it in place.
+    int64_t (*shared_tile_floats)(const Params& p, int which);
+    void (*run_item)(const Params& p, const WorkItem& it, const ItemContext& ctx);
 };
 
 // One row of the dispatch table (one per compiled family of catalogue.def).
@@ -116,6 +151,13 @@ inline void visible_range(const Params& p, int64_t nq, int64_t nk, int64_t i, in
 }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Spin-wait hint.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 // ---- scalar dtype conversions (round to nearest even, NaN kept) ----
 inline float bf16_to_f32(uint16_t h) {

@@ -8,7 +8,8 @@
 //            kPStore, kTilesEndAtBlocks (paged K/V read in place: a tile never crosses a block)
 //   scratch  q_floats(D, M), o_floats(Dv, M), k_floats(D), v_floats(Dv), p_floats()
 //   Q        pack_q_row(q, M, r, row, D, scale), zero_q_row(q, M, r, D)
-//   K, V     k_tile / v_tile(p, b, c0, nc, head_offset, buf) -> KvTile (in place or packed in buf)
+//   K, V     k_tile / v_tile(p, b, c0, nc, head_offset, buf) -> KvTile (in place or packed in buf);
+//            packs_k / packs_v(p): whether whole tiles are packed (then they can be shared)
 //   products qk(ops, rows, k_tile, keys, s): S block of `rows`;  pv(ops, rows, s, keys, v_tile): O += P V
 //   O        o_elem(o, M, Dv, r, j), rescale_o(o, M, Dv, r, alpha) (TransposedO below for most)
 #pragma once
@@ -45,13 +46,6 @@ struct RowBlock {
     int vectors, rows;
     const int32_t* kv_head;
 };
-// A K or V tile: key c of kv head (first + h) at data + c*ld + h*head_stride (elements);
-// prefetch: distance (elements) to the same row of the next tile's keys, 0 for none.
-struct KvTile {
-    const void* data;
-    int64_t ld, head_stride, prefetch;
-};
-
 // The O accumulator of the "rows in lanes" policies: O^T [o_rows][M], row r's column j at
 // o[j*M + r].
 template <class V>

@@ -29,11 +29,18 @@ struct Bf16Rows {
 
 inline int64_t one_kv_head(const Params&, int64_t) { return 1; }
 
+inline int64_t no_shared_tiles(const Params&, int) { return 0; }
+
 template <class Loop, class Select = AnyInput>
 struct TileRoute {
+    using G = typename Loop::G;
+    static int64_t shared_tile_floats(const Params& p, int which) {
+        if (which == 0) return G::packs_k(p) ? G::k_floats(p.d) : 0;
+        return G::packs_v(p) ? G::v_floats(p.dv) : 0;
+    }
     static constexpr Route route(const char* name) {
-        return Route{name, &Select::serves, &one_kv_head, Loop::G::kMaxRows, Loop::BC,
-                     &Loop::scratch_floats, &Loop::run_item};
+        return Route{name, &Select::serves, &one_kv_head, G::kMaxRows, Loop::BC,
+                     &Loop::scratch_floats, &shared_tile_floats, &Loop::run_item};
     }
 };
 
@@ -60,15 +67,17 @@ struct DecodeRoute {
             default: return LoopF32::scratch_floats(p, rows);
         }
     }
-    static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
         switch (DType(p.dtype)) {
-            case DType::bf16: return LoopBf16::run_item(p, it, scratch, parts);
-            case DType::f16: return LoopF16::run_item(p, it, scratch, parts);
-            default: return LoopF32::run_item(p, it, scratch, parts);
+            case DType::bf16: return LoopBf16::run_item(p, it, ctx);
+            case DType::f16: return LoopF16::run_item(p, it, ctx);
+            default: return LoopF32::run_item(p, it, ctx);
         }
     }
+    // Decode reads each kv head's K/V once per call: nothing to share.
     static constexpr Route route(const char* name) {
-        return Route{name, &serves, &kv_heads_per_item, G::kMaxRows, LoopF32::BC, &scratch_floats, &run_item};
+        return Route{name, &serves, &kv_heads_per_item, G::kMaxRows, LoopF32::BC, &scratch_floats, &no_shared_tiles,
+                     &run_item};
     }
 };
 

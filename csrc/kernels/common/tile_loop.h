@@ -64,7 +64,8 @@ struct TileLoop {
     static int64_t scratch_floats(const Params& p, int64_t rows) { return layout(p, rows).total; }
 
     // ---- the item ------------------------------------------------------------------------
-    static void run_item(const Params& p, const WorkItem& it, float* scratch, Partials parts) {
+    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
+        float* scratch = ctx.scratch;
         FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffer below
         const int64_t b = it.b, group = p.hq / p.hk, D = p.d, Dv = p.dv;
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
@@ -128,8 +129,8 @@ struct TileLoop {
         for (int64_t c0 = lo_min, nc = 0; c0 <= hi_max; c0 += nc) {
             nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
             if (block_tiles && p.block_size - c0 % p.block_size < nc) nc = p.block_size - c0 % p.block_size;
-            const KvTile kt = G::k_tile(p, b, c0, nc, k_head, kp);
-            const KvTile vt = G::v_tile(p, b, c0, nc, v_head, vp);
+            const KvTile kt = tile<0>(p, it, c0, nc, nk, k_head, kp, ctx.shared);
+            const KvTile vt = tile<1>(p, it, c0, nc, nk, v_head, vp, ctx.shared);
             for (int64_t r0 = 0; r0 < M; r0 += RB) {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                 const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
@@ -155,7 +156,36 @@ struct TileLoop {
                 G::pv(ops, rows, s, ncb, vt);
             }
         }
-        finish(p, it, R, nqi, M, o, mrow, lrow, parts);
+        finish(p, it, R, nqi, M, o, mrow, lrow, ctx.parts);
+    }
+
+    // K (kWhich = 0) or V (1) tile [c0, c0 + nc) of the item's kv head: the shared slot when the
+    // call shares this operand and the tile is a whole natural one (keys [t*BC, min((t+1)*BC, nk)):
+    // a shorter tile padded from a longer slot would multiply real V values, maybe inf, by the
+    // zero P of padding keys), else packed into the item's own buffer (or read in place).
+    template <int kWhich>
+    static KvTile tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, int64_t nk, int64_t head,
+                       float* own, SharedTiles* shared) {
+        auto pack = [&](float* buf) {
+            return kWhich == 0 ? G::k_tile(p, it.b, c0, nc, head, buf) : G::v_tile(p, it.b, c0, nc, head, buf);
+        };
+        if (!shared || shared->floats[kWhich] == 0 || it.kv_heads != 1 || c0 % BC != 0 || nc != (nk - c0 < BC ? nk - c0 : BC))
+            return pack(own);
+        const int64_t index = (int64_t(it.b) * p.hk + it.kv_head) * shared->tiles_per_seq + c0 / BC;
+        SharedSlot& slot = shared->slots[kWhich][index];
+        int state = slot.state.load(std::memory_order_acquire);
+        if (state == 2) return slot.tile;
+        if (state == 0 && slot.state.compare_exchange_strong(state, 1, std::memory_order_acq_rel)) {
+            slot.tile = pack(shared->data[kWhich] + index * shared->floats[kWhich]);
+            slot.state.store(2, std::memory_order_release);
+            return slot.tile;
+        }
+        // Another item is packing it (a few microseconds): wait that long, then do it ourselves.
+        for (int spin = 0; spin < 4096; ++spin) {
+            if (slot.state.load(std::memory_order_acquire) == 2) return slot.tile;
+            cpu_relax();
+        }
+        return pack(own);
     }
 
     // Scores -> log2-domain logits with every bias and mask applied (only what is enabled), the

@@ -1,0 +1,81 @@
+"""fa2cpu against torch SDPA, interleaved in one process: median ms of each and the ratio
+(torch / fa2cpu, > 1 means fa2cpu is faster) for a fixed list of prefill and decode cases.
+
+    python bench/vs_torch.py --threads 16 [--cases prefill,decode] [--reps 7]
+
+Used for before/after comparisons of kernel changes (run it under each build's PYTHONPATH)."""
+import argparse
+import statistics
+import time
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import fa2cpu
+
+PREFILL = [("bf16", 2048, False), ("bf16", 2048, True), ("bf16", 4096, False), ("bf16", 4096, True),
+           ("fp32", 2048, False), ("fp32", 4096, False), ("fp32", 4096, True)]
+DECODE = [("bf16", 8192), ("fp32", 8192)]
+NP = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32}
+TORCH = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def to_torch(a, dt):
+    if dt == "bf16":
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def timed(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--cases", default="prefill,decode")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--max-n", type=int, default=4096, help="skip prefill cases longer than this")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    rng = np.random.default_rng(0)
+    print(f"# fa2cpu {fa2cpu.get_isa()}, torch {torch.__version__}, {a.threads} threads")
+    print(f"{'case':34s} {'fa2cpu ms':>10s} {'torch ms':>10s} {'ratio':>6s}")
+    rows = []
+    if "prefill" in a.cases:
+        for dt, n, causal in [c for c in PREFILL if c[1] <= a.max_n]:
+            q, k, v = (rng.standard_normal((1, a.heads, n, 128), dtype=np.float32).astype(NP[dt]) for _ in range(3))
+            tq, tk, tv = (to_torch(x, dt) for x in (q, k, v))
+            ours = lambda: fa2cpu.flash_attention(q, k, v, causal=causal, num_threads=a.threads)  # noqa: E731
+            theirs = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
+            rows.append((f"prefill {dt} H={a.heads} N={n} D=128 {'causal' if causal else 'full'}", ours, theirs))
+    if "decode" in a.cases:
+        for dt, nk in DECODE:
+            B, Hq, Hk = 16, 32, 8
+            q = rng.standard_normal((B, 1, Hq, 128), dtype=np.float32).astype(NP[dt])
+            kc, vc = (rng.standard_normal((B, nk, Hk, 128), dtype=np.float32).astype(NP[dt]) for _ in range(2))
+            # torch gets its own (B, H, N, D) contiguous copies: its fastest layout
+            tq = to_torch(q, dt).transpose(1, 2).contiguous()
+            tk, tv = (to_torch(x, dt).transpose(1, 2).contiguous() for x in (kc, vc))
+            ours = lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, num_threads=a.threads)  # noqa: E731
+            theirs = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)  # noqa: E731
+            rows.append((f"decode {dt} B=16 H=32/8 Nk={nk} D=128", ours, theirs))
+    for name, ours, theirs in rows:
+        to, tt = [], []
+        for _ in range(3):  # alternate, so drift hits both
+            to.append(timed(ours, a.reps))
+            tt.append(timed(theirs, a.reps))
+        mo, mt = statistics.median(to), statistics.median(tt)
+        print(f"{name:34s} {mo * 1e3:10.2f} {mt * 1e3:10.2f} {mt / mo:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
