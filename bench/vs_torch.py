@@ -54,8 +54,12 @@ def main():
         for dt, n, causal in [c for c in PREFILL if c[1] <= a.max_n]:
             q, k, v = (rng.standard_normal((1, a.heads, n, 128), dtype=np.float32).astype(NP[dt]) for _ in range(3))
             tq, tk, tv = (to_torch(x, dt) for x in (q, k, v))
-            ours = lambda: fa2cpu.flash_attention(q, k, v, causal=causal, num_threads=a.threads)  # noqa: E731
-            theirs = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)  # noqa: E731
+            def ours(q=q, k=k, v=v, causal=causal):
+                return fa2cpu.flash_attention(q, k, v, causal=causal, num_threads=a.threads)
+
+            def theirs(q=tq, k=tk, v=tv, causal=causal):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
             rows.append((f"prefill {dt} H={a.heads} N={n} D=128 {'causal' if causal else 'full'}", ours, theirs))
     if "decode" in a.cases:
         for dt, nk in DECODE:
@@ -65,8 +69,12 @@ def main():
             # torch gets its own (B, H, N, D) contiguous copies: its fastest layout
             tq = to_torch(q, dt).transpose(1, 2).contiguous()
             tk, tv = (to_torch(x, dt).transpose(1, 2).contiguous() for x in (kc, vc))
-            ours = lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, num_threads=a.threads)  # noqa: E731
-            theirs = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)  # noqa: E731
+            def ours(q=q, kc=kc, vc=vc):
+                return fa2cpu.flash_attention_with_kvcache(q, kc, vc, num_threads=a.threads)
+
+            def theirs(q=tq, k=tk, v=tv):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
             rows.append((f"decode {dt} B=16 H=32/8 Nk={nk} D=128", ours, theirs))
     for name, ours, theirs in rows:
         to, tt = [], []
