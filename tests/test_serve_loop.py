@@ -117,3 +117,23 @@ def test_cli_subprocess():
     assert elapsed < 20
     for needle in ("requests completed: 6/6", "tok/s", "all returned", "PASS"):
         assert needle in p.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--head-dim", "512"], "--head-dim 512: must be even (rotary embeddings) and at most"),
+    (["--head-dim", "7"], "must be even"),
+    (["--dtype", "fp64"], "unknown dtype 'fp64'"),
+    (["--threads", "0"], "expected a positive integer"),
+    (["--arrival-rate", "-1"], "must be >= 0"),
+])
+def test_bad_arguments_are_one_line_errors(serve_loop, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        serve_loop.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_short_and_long_dtype_names(serve_loop):
+    for short, long in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+        assert serve_loop.parse_args(["--dtype", short]).dtype == short
+        assert serve_loop.parse_args(["--dtype", long]).dtype == short
