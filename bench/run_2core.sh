@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Regenerates the 2-core AMD Zen 4 tables (README, bench/RESULTS.md): B=1 H=32, D=128 and D=64,
+# Regenerates the 2-core machine's tables (README, bench/RESULTS.md): B=1 H=32, D=128 and D=64,
 # N=2048,4096, causal and not, fp32 and bf16, every SIMD family from the best usable one down to
 # avx2, against torch SDPA on the same 2 threads; then decode B=16 Hq=32 Hk=8 Nk=8192 and a
 # 1-vs-2-thread scaling run. About 5 minutes. Run it on an otherwise idle machine.
-#   usage: bench/run_zen4.sh [OUTDIR]      (default: bench/results/zen4)
+#   usage: bench/run_2core.sh OUTDIR   (name it for the CPU in it, e.g. bench/results/zen5_2core)
 source "$(dirname "$0")/common.sh"
-OUT=${1:-$BENCH_DIR/results/zen4}
+OUT=${1:?usage: $0 OUTDIR, named for the machine (e.g. bench/results/zen5_2core)}
 mkdir -p "$OUT"
 describe_machine | tee "$OUT/machine.txt"
 
