@@ -8,7 +8,7 @@ against a baseline's output, so a fast wrong answer shows.
 
 Modules: cases (dtypes, modes, shapes, inputs), machine (/proc, probes), timing (the one timing
 routine, also used by the scripts in bench/), peers (NumPy, torch, fa2cpu runners), sweep (runs,
-checks, budget), report (tables, JSON), plot, cli (options, main).
+checks, budget), report (tables, JSON, plots), cli (options, main).
 
 Conventions
 -----------

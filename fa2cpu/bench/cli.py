@@ -13,8 +13,7 @@ from . import peers
 from .cases import (DECODE_GQA_GROUP, DEFAULT_DTYPES, DEFAULT_HEAD_DIM, DEFAULT_MODES, DTYPE_LONG_NAMES,
                     MODE_DEFAULTS, MODES, build_cases, dtype_name, mode_lengths)
 from .machine import Probes, default_threads, machine_info, usable_cpus
-from .plot import PlotError, check_plot_path, write_plot
-from .report import format_header, print_report, write_json
+from .report import PlotError, check_plot_path, format_header, print_report, write_json, write_plot
 from .sweep import Progress, Record, Sweep, add_speedups, budget_order, run_sweep
 
 DEFAULT_WARMUP = 1
@@ -25,27 +24,21 @@ DEFAULT_NUMPY_MAX_MIB = 1024   # the naive baseline materialises B*Hq*Nq*Nk fp32
 DEFAULT_BUDGET_S = 40.0
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _nonnegative(kind):
+def at_least(kind, minimum, what: str):
+    """argparse type: a `kind` (int, float) >= minimum; `what` names it in the error."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
     return parse
+
+
+positive_int = at_least(int, 1, "a positive integer")
+_nonnegative_int = at_least(int, 0, "an integer >= 0")
 
 
 def _list_of(item_type):
@@ -138,17 +131,17 @@ def make_parser() -> argparse.ArgumentParser:
                       help="skip the correctness check (default: check every result against the "
                            "first baseline, or an untimed NumPy reference)")
     timing = p.add_argument_group("timing and output")
-    timing.add_argument("--budget-s", type=_nonnegative(float), metavar="S",
+    timing.add_argument("--budget-s", type=at_least(float, 0.0, "a number >= 0"), metavar="S",
                         help="leave out cases predicted (from the cases measured so far) to end the "
                              "run later than S seconds after its start; the first length of each "
                              "mode always runs; 0 = no limit (default: "
                              f"{DEFAULT_BUDGET_S:g} for the default lengths, no limit for --seqlen)")
     timing.add_argument("--repeat", type=positive_int, metavar="R", default=DEFAULT_REPEAT,
                         help="timed samples per measurement; the median is reported (default: %(default)s)")
-    timing.add_argument("--warmup", type=_nonnegative(int), metavar="W", default=DEFAULT_WARMUP,
+    timing.add_argument("--warmup", type=_nonnegative_int, metavar="W", default=DEFAULT_WARMUP,
                         help="untimed calls before timing, lasting at least 50 ms when W > 0 "
                              "(default: %(default)s)")
-    timing.add_argument("--seed", type=_nonnegative(int), metavar="S", default=0,
+    timing.add_argument("--seed", type=_nonnegative_int, metavar="S", default=0,
                         help="seed of the random inputs (default: %(default)s)")
     timing.add_argument("--json", metavar="FILE", help="write every measurement as JSON (schema below) "
                                                        "(default: none)")
@@ -287,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         fa2cpu.set_isa(default_isa)
     records.sort(key=lambda r: cases.index(r.case))
     if skipped:
-        left_out = ", ".join(dict.fromkeys(f"{c.mode} {'Nk' if c.mode == 'decode' else 'N'}={c.x_value}"
-                                           for c in skipped))
-        probes.note(f"--budget-s {budget:g}: left out {left_out} ({len(skipped)} cases), predicted to "
-                    "run past the budget; --budget-s 0 runs every length")
+        left_out = ", ".join(f"{c.mode} {'Nk' if c.mode == 'decode' else 'N'}={c.x_value} {c.dtype}"
+                             + " causal" * c.causal for c in sorted(skipped, key=cases.index))
+        probes.note(f"--budget-s {budget:g}: left out {left_out}, predicted to run past the budget; "
+                    "--budget-s 0 runs every length")
     add_speedups(records)
     print_report(records, args.baselines, probes.notes)
     if not args.quiet:

@@ -83,23 +83,14 @@ class Record:
 
     def to_json(self) -> dict:
         t = self.times_s
-        q1, q3 = (np.percentile(t, [25, 75]).tolist() if t else (None, None))
+        q1, q3 = np.percentile(t, [25, 75]).tolist() if t else (None, None)
         atol, rtol = TOLERANCES[self.case.dtype]
-        rec = {"impl": self.impl, "isa": self.isa, "api": self.api}
-        rec.update(dataclasses.asdict(self.case))
-        rec["seqlens"] = list(self.case.seqlens) if self.case.seqlens else None
-        rec.update({
-            "threads": self.threads, "status": self.status, "note": self.note,
-            "warmup": self.warmup, "repeat": self.repeat, "calls_per_sample": self.calls_per_sample,
-            "times_s": t, "median_s": self.median_s, "min_s": min(t) if t else None,
-            "max_s": max(t) if t else None, "q1_s": q1, "q3_s": q3,
-            "flops": self.case.flops, "gflops": self.gflops, "peak_family": self.peak_family,
-            "peak_gflops": self.peak_gflops, "pct_peak": self.pct_peak,
-            "bytes": self.case.bytes, "gbs": self.gbs, "read_bw_gbs": self.read_bw_gbs,
-            "pct_bw": self.pct_bw, "max_abs_err": self.max_abs_err, "error_ref": self.error_ref,
-            "check": self.check, "atol": atol, "rtol": rtol, "speedup": self.speedup,
-        })
-        return rec
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "case"}
+        derived = {k: getattr(self, k) for k in ("median_s", "gflops", "pct_peak", "gbs", "pct_bw")}
+        return {**own, **dataclasses.asdict(self.case), **derived,
+                "seqlens": list(self.case.seqlens) if self.case.seqlens else None,
+                "min_s": min(t, default=None), "max_s": max(t, default=None), "q1_s": q1, "q3_s": q3,
+                "flops": self.case.flops, "bytes": self.case.bytes, "atol": atol, "rtol": rtol}
 
 
 def check_against(rec: Record, out: np.ndarray, ref: tuple[str, np.ndarray] | None) -> None:
