@@ -134,19 +134,21 @@ def mode_lengths(args, mode: str) -> tuple[tuple[int, ...], str]:
     return MODE_DEFAULTS[mode]["seqlen"], "default"
 
 
+def mode_shape(args, mode: str) -> tuple[int, int, int]:
+    """(batch, query heads, key/value heads) of a mode: the options given, else its defaults."""
+    batch = args.batch or MODE_DEFAULTS[mode]["batch"]
+    heads = args.heads or MODE_DEFAULTS[mode]["heads"]
+    if args.kv_heads:
+        return batch, heads, args.kv_heads
+    gqa = mode == "decode" and heads % DECODE_GQA_GROUP == 0
+    return batch, heads, heads // DECODE_GQA_GROUP if gqa else heads
+
+
 def build_cases(args) -> list[Case]:
     """Every case the arguments ask for, mode by mode, in table order."""
     cases = []
     for mode in args.mode:
-        d = MODE_DEFAULTS[mode]
-        batch = args.batch or d["batch"]
-        heads = args.heads or d["heads"]
-        if args.kv_heads:
-            kv_heads = args.kv_heads
-        elif mode == "decode" and heads % DECODE_GQA_GROUP == 0:
-            kv_heads = heads // DECODE_GQA_GROUP
-        else:
-            kv_heads = heads
+        batch, heads, kv_heads = mode_shape(args, mode)
         causals = (False,) if mode == "decode" else args.causal   # Nq=1 bottom-right sees every key
         for dtype in args.dtype:
             for n in mode_lengths(args, mode)[0]:

@@ -11,7 +11,7 @@ import fa2cpu
 
 from . import peers
 from .cases import (DECODE_GQA_GROUP, DEFAULT_DTYPES, DEFAULT_HEAD_DIM, DEFAULT_MODES, DTYPE_LONG_NAMES,
-                    MODE_DEFAULTS, MODES, build_cases, dtype_name, mode_lengths)
+                    MODE_DEFAULTS, MODES, build_cases, dtype_name, mode_lengths, mode_shape)
 from .machine import Probes, default_threads, machine_info, usable_cpus
 from .report import PlotError, check_plot_path, format_header, print_report, write_json, write_plot
 from .sweep import Progress, Record, Sweep, add_speedups, budget_order, run_sweep
@@ -223,12 +223,9 @@ def sweep_plan(args) -> tuple[list[str], dict[str, tuple[int, ...]], set[str], f
         ladders[mode] = ladder
         if args.budget_s is not None or source == "default":
             trimmable.add(mode)
-        d = MODE_DEFAULTS[mode]
-        heads = args.heads or d["heads"]
-        kv = args.kv_heads or (heads // DECODE_GQA_GROUP if mode == "decode" and heads % DECODE_GQA_GROUP == 0
-                               else heads)
+        batch, heads, kv = mode_shape(args, mode)
         n = "Nk" if mode == "decode" else "N"
-        text = (f"{mode} B={args.batch or d['batch']} Hq={heads} Hk={kv} D={args.head_dim}, "
+        text = (f"{mode} B={batch} Hq={heads} Hk={kv} D={args.head_dim}, "
                 f"{n} = {', '.join(map(str, ladder))} ({source}")
         if mode in trimmable and budget and len(ladder) > 1:
             text += f"; beyond {n}={ladder[0]} only while --budget-s {budget:g} lasts"
@@ -251,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         args.baselines.remove("torch")
         probes.note("torch baseline skipped: torch is not installed (pip install torch)")
     plan, ladders, trimmable, budget = sweep_plan(args)
-    for text in args.notes:
+    for text in args.notes:   # printed under the plan and again among the footnotes
         probes.note(text)
+        plan.append(f"note: {text}")
     cases = build_cases(args)
     default_isa = fa2cpu.get_isa()
     steps = len(cases) * len(args.threads) * (len(args.baselines) + len(args.isa))
