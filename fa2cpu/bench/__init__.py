@@ -65,7 +65,7 @@ could not be written, 2 bad arguments,
 130 interrupted (the tables and JSON still hold what was measured).
 """
 from .cases import DTYPES, MODES, Case, build_cases, dtype_name, visible_pairs
-from .cli import dtype_arg, main, make_parser, parse_args, positive_int
+from .cli import dtype_arg, long_dtype_arg, main, make_parser, parse_args, positive_int
 from .machine import default_threads, usable_cpus
 from .peers import BASELINES
 from .report import print_report
@@ -73,5 +73,5 @@ from .sweep import Record
 from .timing import Timing, measure, median_time
 
 __all__ = ["BASELINES", "DTYPES", "MODES", "Case", "Record", "Timing", "build_cases", "default_threads",
-           "dtype_arg", "dtype_name", "main", "make_parser", "measure", "median_time", "parse_args", "positive_int",
+           "dtype_arg", "dtype_name", "long_dtype_arg", "main", "make_parser", "measure", "median_time", "parse_args", "positive_int",
            "print_report", "usable_cpus", "visible_pairs"]

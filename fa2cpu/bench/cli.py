@@ -67,6 +67,11 @@ def dtype_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def long_dtype_arg(text: str) -> str:
+    """argparse type: a dtype in either spelling, returned long ('bfloat16': torch's name)."""
+    return DTYPE_LONG_NAMES[dtype_arg(text)]
+
+
 def make_parser() -> argparse.ArgumentParser:
     doc = sys.modules[__package__].__doc__ or ""
     defaults = {m: MODE_DEFAULTS[m] for m in MODES}
