@@ -119,18 +119,26 @@ def test_cli_subprocess():
         assert needle in p.stdout
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--head-dim", "512"], "--head-dim 512: must be even (rotary embeddings) and at most"),
-    (["--head-dim", "7"], "must be even"),
-    (["--dtype", "fp64"], "unknown dtype 'fp64'"),
-    (["--threads", "0"], "expected a positive integer"),
-    (["--arrival-rate", "-1"], "must be >= 0"),
-])
-def test_bad_arguments_are_one_line_errors(serve_loop, capsys, argv, message):
-    with pytest.raises(SystemExit) as e:
-        serve_loop.parse_args(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and message in err and "Traceback" not in err
+BAD_ARGUMENTS = {
+    "--head-dim 512": "--head-dim 512: must be even (rotary embeddings) and at most",
+    "--head-dim 7": "must be even",
+    "--dtype fp64": "unknown dtype 'fp64'",
+    "--threads 0": "expected a positive integer",
+    "--arrival-rate -1": "must be >= 0",
+}
+
+
+def test_bad_arguments_are_one_line_errors(serve_loop, capsys):
+    for argv, message in BAD_ARGUMENTS.items():
+        with pytest.raises(SystemExit, match="^2$"):
+            serve_loop.parse_args(argv.split())
+        assert message in capsys.readouterr().err, argv
+
+
+def test_head_dim_above_the_limit_is_no_traceback():
+    p = subprocess.run([sys.executable, str(EXAMPLE), "--head-dim", "512"], cwd=tempfile.gettempdir(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "at most" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_short_and_long_dtype_names(serve_loop):
