@@ -4,21 +4,20 @@ shapes that break tilings, then one timing against torch SDPA (when importable).
     python bench/check_family.py amx bf16        # family, dtype
 """
 import sys
-import time
 
-import ml_dtypes
 import numpy as np
 
 import fa2cpu
 from fa2cpu import _reference as ref
-
-DT = {"fp32": np.float32, "bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+from fa2cpu.bench.cases import DTYPE_LONG_NAMES, DTYPES, dtype_name
+from fa2cpu.bench.timing import median_time
 
 
 def main(family="auto", dtype="bf16"):
     if family != "auto":
         fa2cpu.set_isa(family)
-    dt = DT[dtype]
+    dtype = dtype_name(dtype)
+    dt = DTYPES[dtype]
     print(f"family in use: {fa2cpu.get_isa()}, dtype {dtype}, usable {fa2cpu.available_isas()}", flush=True)
     rng = np.random.default_rng(0)
     worst = 0.0
@@ -43,18 +42,12 @@ def main(family="auto", dtype="bf16"):
     torch.set_num_threads(threads)
     B, H, N, D = 1, 32, 4096, 128
     q, k, v = (rng.standard_normal((B, H, N, D), dtype=np.float32) for _ in range(3))
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    tdt = getattr(torch, DTYPE_LONG_NAMES[dtype])
     tq, tk, tv = (torch.from_numpy(x).to(tdt) for x in (q, k, v))
     q, k, v = (x.astype(dt) for x in (q, k, v))
     for causal in (False, True):
-        def best(f):
-            f()
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter(); f(); ts.append(time.perf_counter() - t0)
-            return float(np.median(ts))
-        a = best(lambda: fa2cpu.flash_attention(q, k, v, causal=causal))
-        b = best(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
+        a = median_time(lambda: fa2cpu.flash_attention(q, k, v, causal=causal), 3)
+        b = median_time(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal), 3)
         fl = 4 * B * H * N * N * D / (2 if causal else 1)
         print(f"N={N} D={D} causal={causal} threads={threads}: fa2cpu {fl / a / 1e9:.0f} GFLOP/s, "
               f"torch {fl / b / 1e9:.0f} GFLOP/s, speedup {b / a:.2f}x", flush=True)

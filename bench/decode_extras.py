@@ -3,27 +3,17 @@ B=16 per byte, and the Python-side overhead of a tiny decode call.
 
     python bench/decode_extras.py [--threads N] [--repeat R]
 
-Prints one table; every row is a median of --repeat timed calls after a warm-up, fa2cpu only.
+Prints one table; every row is a median of --repeat timed samples after a warm-up (fa2cpu.bench's
+timing routine), fa2cpu only.
 """
 import argparse
 import platform
-import time
 
 import numpy as np
 
 import fa2cpu
 from fa2cpu import _core
-
-
-def median_time(fn, repeat, warmup=1):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+from fa2cpu.bench import DTYPES, dtype_name, median_time
 
 
 def paged_copy(k_cache, v_cache, block_size, rng):
@@ -43,10 +33,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=_core.max_threads(), help="threads (default: OpenMP max)")
     ap.add_argument("--repeat", type=int, default=7, help="timed calls per row (default 7)")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="cache dtype (default fp32)")
+    ap.add_argument("--dtype", default="fp32", type=dtype_name, help="cache dtype, fp32 or bf16 (default fp32)")
     a = ap.parse_args(argv)
-    import ml_dtypes
-    dt = np.float32 if a.dtype == "fp32" else ml_dtypes.bfloat16
+    dt = DTYPES[a.dtype]
     rng = np.random.default_rng(0)
     nt = a.threads
     print(f"# fa2cpu {fa2cpu.__version__}, family {fa2cpu.get_isa()}, {nt} threads, {platform.processor() or platform.machine()}")
@@ -88,13 +77,13 @@ def main(argv=None):
     v = k.copy()
     q = rng.standard_normal((1, 1, 32, D), dtype=np.float32)
     out = np.empty_like(q)
-    whole = median_time(lambda: fa2cpu.flash_attention_with_kvcache(q, k, v, num_threads=1, out=out), 2000, 200)
+    whole = median_time(lambda: fa2cpu.flash_attention_with_kvcache(q, k, v, num_threads=1, out=out), 21, 200)
     sl = np.full(1, Nk, np.int64)
     args = (q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), out.transpose(0, 2, 1, 3), None)
     kw = dict(dtype=0, batch=1, hq=32, hk=32, nq=1, nk=Nk, scale=D ** -0.5, softcap=0.0, win_left=-1, win_right=-1,
               alibi=None, mask=None, mask_kind=0, cu_q=None, cu_k=None, seqlen_k=sl, block_table=None,
               block_size=Nk, num_threads=1, num_splits=0)
-    kernel = median_time(lambda: _core.run(*args, **kw), 2000, 200)
+    kernel = median_time(lambda: _core.run(*args, **kw), 21, 200)
     print(f"| tiny decode, whole call | B=1 H=32 Nk={Nk} D={D} fp32, 1 thread | {whole * 1e3:.4f} | | |")
     print(f"| tiny decode, kernel only (_core.run) | same | {kernel * 1e3:.4f} | | Python overhead {1e6 * (whole - kernel):.1f} us |")
 

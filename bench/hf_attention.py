@@ -57,6 +57,7 @@ from transformers.modeling_utils import AttentionInterface  # noqa: E402
 
 import fa2cpu  # noqa: E402
 import fa2cpu.integrations.transformers as fa2hf  # noqa: E402
+from fa2cpu.bench import long_dtype_arg  # noqa: E402
 
 LINES = []
 
@@ -187,6 +188,7 @@ def main():
               f"{'+cache update ms/layer':>26} {'speedup':>8} {'forward ms':>20}")
     rows, e2e = [], []
     for name in a.dtypes.split(","):
+        name = long_dtype_arg(name)   # bf16 or bfloat16, ...
         dtype = getattr(torch, name)
         torch.manual_seed(0)
         config = transformers.LlamaConfig(

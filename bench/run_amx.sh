@@ -3,9 +3,9 @@
 # N=2048,4096, causal and not, bf16 on the amx family and fp32 on avx512, each against torch SDPA
 # at 1, 2, 4, 8 and 16 threads (thread-scaling tables and plots); then decode B=16 Hq=32 Hk=8
 # Nk=8192 (K+V 1 GiB in fp32, far beyond the L3). About 6 minutes. Run it on an otherwise idle machine.
-#   usage: bench/run_amx.sh [OUTDIR]       (default: bench/results/amx)
+#   usage: bench/run_amx.sh [OUTDIR]       (default: bench/results/xeon_amx_16core)
 source "$(dirname "$0")/common.sh"
-OUT=${1:-$BENCH_DIR/results/amx}
+OUT=${1:-$BENCH_DIR/results/xeon_amx_16core}
 mkdir -p "$OUT"
 describe_machine | tee "$OUT/machine.txt"
 

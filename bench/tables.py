@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Markdown tables from fa2cpu-bench JSON files (for bench/RESULTS.md and the README).
 
-    python bench/tables.py bench/results/zen4/*.json
+    python bench/tables.py bench/results/zen5_2core/*.json
 
 For each file: the machine and the command, then the same tables fa2cpu-bench printed (one per
 mode, thread scaling when several thread counts were measured, footnotes, geometric-mean summary)

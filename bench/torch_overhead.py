@@ -18,11 +18,13 @@ import torch
 import fa2cpu
 import fa2cpu.torch as ft
 from fa2cpu import _core
+from fa2cpu.bench import long_dtype_arg
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="float32", type=long_dtype_arg,
+                   help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     p.add_argument("--cap", type=int, default=256, help="cache capacity (slots)")
     p.add_argument("--seqlen", type=int, default=256, help="valid cache rows attended (1 isolates overhead)")
     p.add_argument("--heads", type=int, default=8)

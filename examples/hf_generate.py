@@ -20,6 +20,7 @@ import transformers  # noqa: E402
 
 import fa2cpu  # noqa: E402
 import fa2cpu.integrations.transformers as fa2hf  # noqa: E402
+from fa2cpu.bench import long_dtype_arg  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -33,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=256, help="prompt length (longest sequence)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=2, help="sequences; rows after the first are left-padded")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", type=long_dtype_arg, default="float32",
+                   help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     p.add_argument("--paged", action="store_true", help="paged KVCache (blocks of --block-size)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch and fa2cpu threads (default: all)")

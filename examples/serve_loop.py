@@ -26,29 +26,18 @@ the queue, to be re-prefilled later from its prompt plus the tokens it already g
 
 How this maps onto fa2cpu
 -------------------------
-=====================================  =======================================================
-server concept                         here
-=====================================  =======================================================
-KV block pool (per layer)              ``k_cache[l]``, ``v_cache[l]``:
-                                       ``(num_blocks, block_size, Hk, D)`` arrays
-free list / block table                :class:`BlockAllocator`; ``Request.blocks``, packed into an
-                                       int32 ``(B, max_blocks)`` ``block_table`` for each call
-prefill of ragged prompts              ``fa2cpu.flash_attention_varlen(q, k, v, cu, cu,
-                                       causal=True)`` on the prompts packed end to end
-                                       (``cu`` = cumulative prompt lengths), one call per layer
-writing prompt K/V into the blocks     NumPy fancy indexing with a per-token *slot mapping*
-                                       ``k_cache[l][block_of_token, row_of_token] = k`` (the same
-                                       could be done with ``flash_attention_with_kvcache``'s
-                                       ``k``/``v`` append)
-decode step (one token per request)    ``fa2cpu.flash_attention_with_kvcache(q, k_cache[l],
-                                       v_cache[l], k=new_k, v=new_v, cache_seqlens=lens,
-                                       block_table=bt, causal=True)``: appends new_k/new_v in
-                                       place at position ``lens[b]`` and attends over
-                                       ``[0, lens[b] + 1)``; split-KV (flash-decoding) is picked
-                                       automatically
-GQA                                    Hq query heads share Hk K/V heads (default 8 and 2); the
-                                       cache stores only the Hk heads
-=====================================  =======================================================
+* KV block pool (per layer): ``k_cache[l]``, ``v_cache[l]``, ``(num_blocks, block_size, Hk, D)``
+  arrays; free list and block tables: :class:`BlockAllocator` and ``Request.blocks``, packed into an
+  int32 ``(B, max_blocks)`` ``block_table`` for each call.
+* Prefill of ragged prompts: ``fa2cpu.flash_attention_varlen(q, k, v, cu, cu, causal=True)`` on the
+  prompts packed end to end (``cu`` = cumulative prompt lengths), one call per layer; the prompt K/V
+  go into the blocks through a per-token *slot mapping*, ``k_cache[l][block_of_token, row_of_token]
+  = k`` (``flash_attention_with_kvcache``'s ``k``/``v`` append could do the same).
+* Decode step (one token per request): ``fa2cpu.flash_attention_with_kvcache(q, k_cache[l],
+  v_cache[l], k=new_k, v=new_v, cache_seqlens=lens, block_table=bt, causal=True)`` appends new_k/new_v
+  in place at position ``lens[b]`` and attends over ``[0, lens[b] + 1)``; split-KV (flash-decoding)
+  is picked automatically.
+* GQA: Hq query heads share Hk K/V heads (default 8 and 2); the cache stores only the Hk heads.
 
 The model is a toy: random embeddings, ``--layers`` pre-norm attention blocks with random q/k/v/o
 projections and rotary position embeddings, a random unembedding and greedy argmax over a small
@@ -66,7 +55,7 @@ Usage::
 
     python examples/serve_loop.py                  # a few seconds on 2 cores
     python examples/serve_loop.py --check          # + correctness checks
-    python examples/serve_loop.py --dtype float32 --requests 64 --max-new-tokens 128 -v
+    python examples/serve_loop.py --dtype fp32 --requests 64 --max-new-tokens 128 -v   # or float32
     python examples/serve_loop.py --num-blocks 40  # a small KV pool: watch preemptions happen
 """
 import argparse
@@ -76,23 +65,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import ml_dtypes
 import numpy as np
 import threadpoolctl
 
 import fa2cpu
 from fa2cpu import _reference
+from fa2cpu._validate import MAX_HEAD_DIM
+from fa2cpu.bench import DTYPES, dtype_arg, positive_int, usable_cpus
 
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float16": np.dtype(np.float16)}
 # Kernel vs float64 oracle on the same rounded inputs, outputs of magnitude ~1 (the test suite's
 # table): float32 accumulation everywhere; the output (and P for bf16 kernels) rounded to dtype.
-TOL = {"float32": (2e-5, 2e-5), "float16": (4e-3, 4e-3), "bfloat16": (2e-2, 2e-2)}  # (atol, rtol)
+TOL = {"fp32": (2e-5, 2e-5), "fp16": (4e-3, 4e-3), "bf16": (2e-2, 2e-2)}  # (atol, rtol)
 
 
-# ---------------------------------------------------------------------------------------------
-# KV block allocator
-# ---------------------------------------------------------------------------------------------
+# ---- KV block allocator ---------------------------------------------------------------------
 class OutOfBlocks(RuntimeError):
     """The KV pool has no free block."""
 
@@ -141,9 +127,7 @@ class BlockAllocator:
             sorted(self._free) == list(range(self.num_blocks))
 
 
-# ---------------------------------------------------------------------------------------------
-# Toy model
-# ---------------------------------------------------------------------------------------------
+# ---- Toy model ------------------------------------------------------------------------------
 class ToyModel:
     """Random-weight decoder: embeddings, ``layers`` x (RMSNorm -> GQA attention with RoPE ->
     residual), RMSNorm -> unembedding. All weights float32; attention runs in fa2cpu."""
@@ -156,10 +140,9 @@ class ToyModel:
         f32 = np.float32
         w = lambda *shape: (rng.standard_normal(shape, dtype=f32) / f32(math.sqrt(shape[-2])))  # noqa: E731
         self.embed = rng.standard_normal((vocab, dm), dtype=f32)
-        self.wq = [w(dm, hq * head_dim) for _ in range(layers)]
-        self.wk = [w(dm, hk * head_dim) for _ in range(layers)]
-        self.wv = [w(dm, hk * head_dim) for _ in range(layers)]
-        self.wo = [w(hq * head_dim, dm) for _ in range(layers)]
+        self.wq, self.wk, self.wv, self.wo = ([w(*shape) for _ in range(layers)] for shape in
+                                              [(dm, hq * head_dim), (dm, hk * head_dim), (dm, hk * head_dim),
+                                               (hq * head_dim, dm)])
         self.unembed = w(dm, vocab)
         self.inv_freq = (10000.0 ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
 
@@ -170,10 +153,8 @@ class ToyModel:
     def _rope(self, x, pos):
         """Rotary embedding (GPT-NeoX half split) of x (T, H, D) at positions pos (T,)."""
         ang = pos[:, None].astype(np.float64) * self.inv_freq[None, :]
-        cos = np.cos(ang).astype(np.float32)[:, None, :]
-        sin = np.sin(ang).astype(np.float32)[:, None, :]
-        h = self.d // 2
-        x1, x2 = x[..., :h], x[..., h:]
+        cos, sin = (f(ang).astype(np.float32)[:, None, :] for f in (np.cos, np.sin))
+        x1, x2 = x[..., :self.d // 2], x[..., self.d // 2:]
         return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
     def qkv(self, layer, x, pos, dtype):
@@ -194,9 +175,7 @@ class ToyModel:
         return np.argmax(self._rmsnorm(x) @ self.unembed, axis=-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Requests and the engine
-# ---------------------------------------------------------------------------------------------
+# ---- Requests and the engine ----------------------------------------------------------------
 @dataclass
 class Request:
     rid: int
@@ -232,17 +211,15 @@ class Engine:
             raise ValueError(f"--num-blocks {num_blocks} cannot hold one request of {longest} tokens "
                              f"({math.ceil(longest / block_size)} blocks of {block_size})")
         self.pending = collections.deque(sorted(requests, key=lambda r: (r.arrival_step, r.rid)))
-        self.waiting = collections.deque()
-        self.running = []
-        self.finished = []
+        self.waiting, self.running, self.finished = collections.deque(), [], []
         self.step_no = 0
         self.stats = collections.Counter()
         self.times = collections.defaultdict(float)
         self.check_prefill_left = self.check_decode_left = check_steps
-        self.check = {"prefill_max_err": 0.0, "prefill_err_over_tol": 0.0,
-                      "decode_max_err": 0.0, "decode_err_over_tol": 0.0,
-                      "decode_vs_gathered_max_err": 0.0, "decode_gathered_err_over_tol": 0.0,
-                      "cache_slots_ok": True, "prefill_checked": 0, "decode_checked": 0}
+        errors = ("prefill_max_err prefill_err_over_tol decode_max_err decode_err_over_tol "
+                  "decode_vs_gathered_max_err decode_gathered_err_over_tol").split()
+        self.check = {**dict.fromkeys(errors, 0.0), "cache_slots_ok": True, "prefill_checked": 0,
+                      "decode_checked": 0}
 
     # ---- bookkeeping ------------------------------------------------------------------------
     def _emit(self, r, token, now):
@@ -426,31 +403,30 @@ class Engine:
 
     # ---- --check ----------------------------------------------------------------------------
     def _check_time(self, since):
-        dt = time.perf_counter() - since
-        self.times["check"] += dt
+        self.times["check"] += (dt := time.perf_counter() - since)
         return dt
 
-    def _err(self, actual, ref):
+    def _compare(self, key, ratio_key, actual, ref):
+        """Raise check[key] to max|actual - ref| and check[ratio_key] to the largest error over
+        its tolerance (inf when anything is not finite)."""
         atol, rtol = TOL[self.dtype_name]
-        diff = np.abs(np.asarray(actual, np.float64) - np.asarray(ref, np.float64))
-        if not np.all(np.isfinite(diff)):
-            return math.inf, math.inf
-        return float(diff.max(initial=0.0)), float((diff / (atol + rtol * np.abs(ref))).max(initial=0.0))
-
-    def _upd(self, key, ratio_key, err):
+        ref = np.asarray(ref, np.float64)
+        diff = np.abs(np.asarray(actual, np.float64) - ref)
+        err = ((float(diff.max(initial=0.0)), float((diff / (atol + rtol * np.abs(ref))).max(initial=0.0)))
+               if np.all(np.isfinite(diff)) else (math.inf, math.inf))
         self.check[key] = max(self.check[key], err[0])
         self.check[ratio_key] = max(self.check[ratio_key], err[1])
 
     def _check_prefill(self, layer, q, k, v, o, cu, blk, off):
         ref, _ = _reference.varlen_ref(q, k, v, cu, cu, causal=True)
-        self._upd("prefill_max_err", "prefill_err_over_tol", self._err(o.astype(np.float64), ref))
+        self._compare("prefill_max_err", "prefill_err_over_tol", o, ref)
         ok = (np.array_equal(self.k_cache[layer][blk, off].astype(np.float32), k.astype(np.float32))
               and np.array_equal(self.v_cache[layer][blk, off].astype(np.float32), v.astype(np.float32)))
         self.check["cache_slots_ok"] &= bool(ok)
         self.check["prefill_checked"] += 1
 
     def _check_decode(self, layer, q, k, v, o, ref, seqlens, bt):
-        self._upd("decode_max_err", "decode_err_over_tol", self._err(o.astype(np.float64), ref))
+        self._compare("decode_max_err", "decode_err_over_tol", o, ref)
         # the appended rows must sit at position seqlen of each request
         rows = np.arange(len(seqlens))
         blk, off = bt[rows, seqlens // self.bs], seqlens % self.bs
@@ -464,13 +440,11 @@ class Engine:
         pos = np.concatenate([np.arange(n) for n in total])
         which = np.repeat(rows, total)
         gb, go = bt[which, pos // self.bs], pos % self.bs
-        cu_k = np.zeros(len(total) + 1, np.int32)
-        np.cumsum(total, out=cu_k[1:])
+        cu_k = np.concatenate([[0], np.cumsum(total)]).astype(np.int32)
         cu_q = np.arange(len(total) + 1, dtype=np.int32)
         og = fa2cpu.flash_attention_varlen(q[:, 0], kc[gb, go], vc[gb, go], cu_q, cu_k, causal=True,
                                            num_threads=self.nt)
-        self._upd("decode_vs_gathered_max_err", "decode_gathered_err_over_tol",
-                  self._err(o[:, 0].astype(np.float64), og.astype(np.float64)))
+        self._compare("decode_vs_gathered_max_err", "decode_gathered_err_over_tol", o[:, 0], og)
         self.check["decode_checked"] += 1
 
     def check_ok(self):
@@ -479,9 +453,7 @@ class Engine:
                     c["decode_err_over_tol"] <= 1 and c["decode_gathered_err_over_tol"] <= 1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Driver
-# ---------------------------------------------------------------------------------------------
+# ---- Driver ---------------------------------------------------------------------------------
 def make_requests(rng, n, *, min_prompt, max_prompt, max_new_tokens, arrival_rate, vocab):
     """n requests with random prompts; arrivals a Poisson process of ``arrival_rate`` per step."""
     gaps = rng.exponential(1.0 / arrival_rate, size=n) if arrival_rate > 0 else np.zeros(n)
@@ -490,59 +462,56 @@ def make_requests(rng, n, *, min_prompt, max_prompt, max_new_tokens, arrival_rat
     for i in range(n):
         plen = int(rng.integers(min_prompt, max_prompt + 1))
         new = int(rng.integers(max(1, max_new_tokens // 4), max_new_tokens + 1))
-        prompt = rng.integers(0, vocab, size=plen).tolist()
-        out.append(Request(rid=i, prompt_len=plen, max_new_tokens=new, arrival_step=int(arrivals[i]),
-                           tokens=prompt))
+        out.append(Request(i, plen, new, int(arrivals[i]), rng.integers(0, vocab, size=plen).tolist()))
     return out
+
+
+# Options that take a positive integer: (name, default, help); default None = derived.
+POSITIVE_INT_OPTIONS = [
+    ("--requests", 64, "number of requests to serve"),
+    ("--max-new-tokens", 128, "per-request limit is drawn from [max/4, max]"),
+    ("--min-prompt", 16, "shortest prompt (tokens)"),
+    ("--max-prompt", 512, "longest prompt (tokens)"),
+    ("--block-size", 16, "tokens per KV cache block"),
+    ("--num-blocks", None, "KV pool size in blocks; None = enough for --max-batch of the longest requests"),
+    ("--max-batch", 16, "most requests running at once"),
+    ("--max-prefill-tokens", 2048, "prefill token budget per step"),
+    ("--layers", 2, "attention layers of the toy model"),
+    ("--heads-q", 8, "query heads"),
+    ("--heads-kv", 2, "key/value heads (GQA)"),
+    ("--head-dim", 64, f"head dimension D (even, at most {MAX_HEAD_DIM})"),
+    ("--vocab", 512, "vocabulary size"),
+    ("--threads", None, "fa2cpu threads; None = OpenMP's maximum (OMP_NUM_THREADS)"),
+    ("--blas-threads", 1, "threads for the NumPy projections. 1 keeps OpenBLAS and fa2cpu's threads "
+                          "from spinning against each other: with both at 2 on 2 cores, decode ran "
+                          "~30x slower (OMP_WAIT_POLICY=passive also avoids it)"),
+    ("--steps", None, "stop after this many engine steps; None = until every request is done"),
+    ("--check-steps", 3, "prefill batches and decode steps verified by --check"),
+]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--requests", type=int, default=64, help="number of requests to serve")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="per-request limit is drawn from [max/4, max]")
-    p.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
-    p.add_argument("--max-prompt", type=int, default=512, help="longest prompt (tokens)")
+    for name, default, text in POSITIVE_INT_OPTIONS:
+        p.add_argument(name, type=positive_int, default=default, help=text)
     p.add_argument("--arrival-rate", type=float, default=1.0,
                    help="mean new requests per engine step (Poisson); 0 = all at once")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV pool size in blocks; None = enough for --max-batch of the longest requests")
-    p.add_argument("--max-batch", type=int, default=16, help="most requests running at once")
-    p.add_argument("--max-prefill-tokens", type=int, default=2048, help="prefill token budget per step")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                   help="dtype of q/k/v and of the KV cache")
-    p.add_argument("--layers", type=int, default=2, help="attention layers of the toy model")
-    p.add_argument("--heads-q", type=int, default=8, help="query heads")
-    p.add_argument("--heads-kv", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--head-dim", type=int, default=64, help="head dimension D (even)")
-    p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
-    p.add_argument("--threads", type=int, default=None,
-                   help="fa2cpu threads; None = OpenMP's maximum (OMP_NUM_THREADS)")
-    p.add_argument("--blas-threads", type=int, default=1,
-                   help="threads for the NumPy projections. 1 keeps OpenBLAS and fa2cpu's OpenMP "
-                        "threads from spinning against each other: with both at 2 on 2 cores, "
-                        "decode ran ~30x slower (OMP_WAIT_POLICY=passive also avoids it)")
+    p.add_argument("--dtype", type=dtype_arg, default="bf16",
+                   help="dtype of q/k/v and of the KV cache: fp32, bf16, fp16 (or float32, bfloat16, float16)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, prompts and arrivals")
-    p.add_argument("--steps", type=int, default=None,
-                   help="stop after this many engine steps; None = until every request is done")
     p.add_argument("--check", action="store_true",
                    help="verify the attention outputs and cache writes of the first steps")
-    p.add_argument("--check-steps", type=int, default=3,
-                   help="prefill batches and decode steps verified by --check")
     p.add_argument("-v", "--verbose", action="store_true", help="one line per engine step")
     a = p.parse_args(argv)
-    for name in ("requests", "max_new_tokens", "min_prompt", "block_size", "max_batch",
-                 "max_prefill_tokens", "layers", "heads_q", "heads_kv", "head_dim", "vocab"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.max_prompt < a.min_prompt:
         p.error("--max-prompt must be >= --min-prompt")
-    if a.head_dim % 2:
-        p.error("--head-dim must be even (rotary embeddings)")
+    if a.head_dim % 2 or a.head_dim > MAX_HEAD_DIM:
+        p.error(f"--head-dim {a.head_dim}: must be even (rotary embeddings) and at most {MAX_HEAD_DIM}")
     if a.heads_q % a.heads_kv:
         p.error("--heads-q must be a multiple of --heads-kv (GQA)")
+    if not a.arrival_rate >= 0 or a.seed < 0:
+        p.error("--arrival-rate and --seed must be >= 0")
     if a.num_blocks is None:
         a.num_blocks = a.max_batch * -(-(a.max_prompt + a.max_new_tokens) // a.block_size)
     return a
@@ -564,7 +533,7 @@ def main(argv=None):
                      check_steps=a.check_steps if a.check else 0, verbose=a.verbose)
     except ValueError as e:
         raise SystemExit(f"serve_loop.py: error: {e}") from None
-    threads = a.threads or fa2cpu._core.max_threads()
+    threads = min(a.threads or fa2cpu._core.max_threads(), usable_cpus())   # fa2cpu caps it too
     print(f"fa2cpu {fa2cpu.__version__} serve loop: {a.requests} requests, {a.layers} layer{'s' * (a.layers > 1)}, "
           f"Hq={a.heads_q} Hk={a.heads_kv} D={a.head_dim}, {a.dtype}, KV pool {a.num_blocks} blocks "
           f"x {a.block_size} tokens, max batch {a.max_batch}, kernels {fa2cpu.get_isa()}, "
@@ -577,27 +546,22 @@ def main(argv=None):
         wall = time.perf_counter() - t0
     unfinished = len(eng.running) + len(eng.waiting) + len(eng.pending)
     blocks_in_use_at_end = eng.allocator.num_used     # held by unfinished requests only
-    for r in list(eng.running):                       # --steps cut the run short: abort the rest
+    for r in eng.running:                             # --steps cut the run short: abort the rest
         eng.allocator.free(r.blocks)
         r.blocks = []
-    eng.running.clear()
-    eng.waiting.clear()
-    eng.pending.clear()
+    eng.running, eng.waiting, eng.pending = [], collections.deque(), collections.deque()
 
     st, tm = eng.stats, eng.times
     rate = lambda n, t: n / t if t > 0 else 0.0   # noqa: E731
     ttft = [r.t_first_token - r.t_arrival for r in eng.finished]
     summary = {
         "requests": a.requests, "completed": len(eng.finished), "unfinished": unfinished,
-        "steps": st["steps"], "tokens_generated": st["generated"],
-        "prefill_first_tokens": st["prefill_first_tokens"],
-        "prefill_tokens": st["prefill_tokens"], "prefill_batches": st["prefill_batches"],
-        "prefill_s": tm["prefill"], "prefill_attn_s": tm["prefill_attn"],
+        "tokens_generated": st["generated"], **{k: st[k] for k in (
+            "steps prefill_first_tokens prefill_tokens prefill_batches decode_tokens decode_steps "
+            "preemptions peak_batch").split()},
+        **{f"{k}_s": tm[k] for k in ("prefill", "prefill_attn", "decode", "decode_attn", "check")},
         "prefill_tok_s": rate(st["prefill_tokens"], tm["prefill"]),
-        "decode_tokens": st["decode_tokens"], "decode_steps": st["decode_steps"],
-        "decode_s": tm["decode"], "decode_attn_s": tm["decode_attn"],
-        "decode_tok_s": rate(st["decode_tokens"], tm["decode"]),
-        "wall_s": wall, "check_s": tm["check"], "preemptions": st["preemptions"], "peak_batch": st["peak_batch"],
+        "decode_tok_s": rate(st["decode_tokens"], tm["decode"]), "wall_s": wall,
         "num_blocks": a.num_blocks, "peak_blocks_used": eng.allocator.peak_used,
         "blocks_in_use_at_end": blocks_in_use_at_end, "blocks_free": eng.allocator.num_free,
         "all_blocks_free": eng.allocator.all_free(),
@@ -605,7 +569,7 @@ def main(argv=None):
         "check": dict(eng.check) if a.check else None,
         "check_ok": eng.check_ok() if a.check else None,
     }
-    s = summary
+    s, c = summary, summary["check"]
     print(f"requests completed: {s['completed']}/{s['requests']} in {s['steps']} steps, {wall:.2f} s"
           + (f" ({tm['check']:.2f} s of it in --check)" if a.check else "")
           + (f" ({unfinished} unfinished, aborted at --steps {a.steps})" if unfinished else ""))
@@ -622,10 +586,8 @@ def main(argv=None):
           f"preemptions; at exit {s['blocks_free']}/{s['num_blocks']} free"
           + (" (all returned)" if s["all_blocks_free"] else " (LEAK)"))
     if a.check:
-        c = s["check"]
-        atol, rtol = TOL[a.dtype]
         print(f"check ({c['prefill_checked']} prefill and {c['decode_checked']} decode layer-calls, "
-              f"tol {atol:g} + {rtol:g}*|ref|): "
+              f"tol {TOL[a.dtype][0]:g} + {TOL[a.dtype][1]:g}*|ref|): "
               f"prefill vs float64 max|err| {c['prefill_max_err']:.2e}; paged decode vs float64 "
               f"{c['decode_max_err']:.2e}, vs varlen on gathered K/V {c['decode_vs_gathered_max_err']:.2e}; "
               f"cache slots {'ok' if c['cache_slots_ok'] else 'WRONG'} -> "

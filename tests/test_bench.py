@@ -53,9 +53,31 @@ def test_default_sweep_shapes():
     assert len(prefill) == 3 * 2 * 2            # seqlens x dtypes x causal
     assert {c.seqlen_q for c in prefill} == {512, 1024, 2048}
     assert all(c.seqlen_q == c.seqlen_k for c in prefill)
-    assert len(decode) == 2                     # one shape, fp32 and bf16, non-causal
+    assert len(decode) == 2 * 2                 # Nk ladder x dtypes, non-causal
+    assert {c.seqlen_k for c in decode} == {2048, 8192}
     d = decode[0]
-    assert (d.seqlen_q, d.seqlen_k, d.heads_q, d.heads_kv, d.causal) == (1, 8192, 32, 8, False)
+    assert (d.seqlen_q, d.seqlen_k, d.heads_q, d.heads_kv, d.causal) == (1, 2048, 32, 8, False)
+
+
+def test_seqlen_without_mode_leaves_decode_alone():
+    a = bench.parse_args(["--seqlen", "256"])
+    cases = bench.build_cases(a)
+    assert {c.seqlen_q for c in cases if c.mode == "prefill"} == {256}
+    assert {c.seqlen_k for c in cases if c.mode == "decode"} == {2048, 8192}
+    a = bench.parse_args(["--mode", "decode", "--seqlen", "256"])
+    assert {c.seqlen_k for c in bench.build_cases(a)} == {256}
+
+
+def test_dtype_long_and_short_names():
+    a = bench.parse_args(["--dtype", "float32,bfloat16", "float16", "bf16"])
+    assert a.dtype == ["fp32", "bf16", "fp16"]
+
+
+def test_threads_capped_at_usable_cpus():
+    cpus = bench.usable_cpus()
+    a = bench.parse_args(["--threads", "1", str(cpus + 63)])
+    assert a.threads == sorted({1, cpus})
+    assert any("capped at" in n for n in a.notes)
 
 
 def test_lists_spaces_commas_and_flags():
@@ -103,6 +125,7 @@ def test_help_documents_every_option_and_the_json_schema(capsys):
     (["--heads", "6", "--kv-heads", "4"], "must divide"),
     (["--baselines", "numpy", "none"], "cannot be combined"),
     (["--json", "/nonexistent-dir/out.json"], "cannot write into"),
+    (["--budget-s", "-1"], ">= 0"),
 ])
 def test_bad_arguments_exit_2_with_a_message(capsys, args, message):
     with pytest.raises(SystemExit) as e:
@@ -121,12 +144,19 @@ def test_bad_arguments_from_the_command_line_give_no_traceback():
 
 
 def test_unusable_isa_is_a_clean_error(capsys):
-    missing = [i for i in bench.ISA_FAMILIES if i not in fa2cpu.available_isas()]
+    missing = [i for i in fa2cpu.ISA_FAMILIES if i not in fa2cpu.available_isas()]
     if not missing:
         pytest.skip("every family is usable here")
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--isa", missing[0]])
     assert e.value.code == 2 and "not usable on this machine" in capsys.readouterr().err
+
+
+def test_unknown_plot_format_fails_before_the_sweep(capsys):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--plot", "p.xyz"])
+    assert e.value.code == 2 and "unknown image format 'xyz'" in capsys.readouterr().err
 
 
 def test_missing_matplotlib_is_a_clean_error(capsys, monkeypatch):
@@ -178,6 +208,29 @@ def test_command_line_prints_header_and_table():
     assert r.returncode == 0, r.stderr
     assert "fa2cpu-bench: fa2cpu " in r.stdout and "CPU:" in r.stdout and "ISA:" in r.stdout
     assert "B=1 H=2 N=48 D=32" in r.stdout
+    assert "Sweep:    prefill B=1 Hq=2 Hk=2 D=32, N = 48 (--seqlen)" in r.stdout
+    assert "num_threads=T" in r.stdout and "num_threads=," not in r.stdout
+    table = r.stdout[r.stdout.index("\nshape"):].splitlines()
+    assert table[1].split()[-1] == "note"     # every column is named
+
+
+def test_peak_line_probes_each_instruction_once():
+    r = run_cli(*TINY[:-1], "--mode", "prefill", "--dtype", "fp32", "bf16", "fp16", "--no-causal",
+                "--baselines", "none", "--isa", "all")
+    assert r.returncode == 0, r.stderr
+    peak = [line for line in r.stdout.splitlines() if line.startswith("Peak:")]
+    assert len(peak) == 1
+    if "avx512" in fa2cpu.available_isas():   # avx512 converts bf16/fp16: one FMA probe serves all
+        fma = [part for part in peak[0].split(";") if "AVX-512 FMA" in part]
+        assert len(fma) == 1 and "avx512 fp32" in fma[0] and "avx512 bf16" in fma[0]
+
+
+def test_budget_leaves_out_longer_lengths_and_says_so(capsys):
+    code, out, _ = run_main(capsys, "--mode", "prefill", "--seqlen", "32", "2048", "--dtype", "fp32",
+                            "--no-causal", "--baselines", "none", "--budget-s", "0.001")
+    assert code == 0
+    assert "B=1 H=2 N=32 D=32" in out and "N=2048 D=32" not in out   # the first length always runs
+    assert "--budget-s 0.001: left out prefill N=2048" in out
 
 
 def test_json_has_the_documented_fields(tmp_path, capsys):
@@ -186,7 +239,7 @@ def test_json_has_the_documented_fields(tmp_path, capsys):
                             "--baselines", "numpy", "--json", str(path))
     assert code == 0 and str(path) in out
     doc = json.loads(path.read_text())
-    assert doc["schema"] == "fa2cpu-bench/1" and doc["interrupted"] is False
+    assert doc["schema"] == "fa2cpu-bench/2" and doc["interrupted"] is False
     for key in ("cpu_model", "logical_cpus", "isa_usable", "isa_default", "versions", "peaks",
                 "read_bandwidth"):
         assert key in doc["machine"]
@@ -196,13 +249,13 @@ def test_json_has_the_documented_fields(tmp_path, capsys):
     fields = ("impl isa api mode dtype causal batch heads_q heads_kv seqlen_q seqlen_k head_dim "
               "head_dim_v seqlens threads status note warmup repeat calls_per_sample times_s median_s "
               "min_s max_s q1_s q3_s flops gflops peak_family peak_gflops pct_peak bytes gbs "
-              "read_bw_gbs pct_bw max_abs_err error_ref check atol rtol speedup machine").split()
+              "read_bw_gbs pct_bw max_abs_err error_ref check atol rtol speedup").split()
     for r in recs:
         assert set(fields) <= set(r), set(fields) - set(r)
         assert r["status"] == "ok" and len(r["times_s"]) == 2
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert math.isclose(r["gflops"], r["flops"] / r["median_s"] / 1e9)
-        assert r["machine"]["cpu_model"] == doc["machine"]["cpu_model"]
+        assert "machine" not in r                  # once per file, not per record
     fa = [r for r in recs if r["impl"] == "fa2cpu"]
     assert all(r["check"] == "ok" and r["error_ref"] == "numpy" and "numpy" in r["speedup"] for r in fa)
     decode = [r for r in fa if r["mode"] == "decode"][0]
@@ -244,7 +297,7 @@ def test_untimed_reference_when_no_baseline(tmp_path, capsys):
 
 
 def test_missing_torch_is_a_note_not_a_traceback(capsys, monkeypatch):
-    monkeypatch.setattr(bench, "import_torch", lambda: None)
+    monkeypatch.setattr(bench.peers, "import_torch", lambda: None)
     code, out, err = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "--no-causal",
                               "--baselines", "torch", "numpy")
     assert code == 0 and "Traceback" not in err
@@ -274,10 +327,6 @@ def test_shape_too_big_for_memory_is_an_error_row_not_a_crash(capsys):
 
 
 def test_varlen_mode(capsys):
-    if not hasattr(fa2cpu, "flash_attention_varlen"):
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--mode", "varlen"])
-        return
     code, out, _ = run_main(capsys, "--mode", "varlen", "--batch", "3", "--dtype", "fp32",
                             "--baselines", "numpy")
     assert code == 0 and "N=24..72" in out and "FAIL" not in out

@@ -117,3 +117,31 @@ def test_cli_subprocess():
     assert elapsed < 20
     for needle in ("requests completed: 6/6", "tok/s", "all returned", "PASS"):
         assert needle in p.stdout
+
+
+BAD_ARGUMENTS = {
+    "--head-dim 512": "--head-dim 512: must be even (rotary embeddings) and at most",
+    "--head-dim 7": "must be even",
+    "--dtype fp64": "unknown dtype 'fp64'",
+    "--threads 0": "expected a positive integer",
+    "--arrival-rate -1": "must be >= 0",
+}
+
+
+def test_bad_arguments_are_one_line_errors(serve_loop, capsys):
+    for argv, message in BAD_ARGUMENTS.items():
+        with pytest.raises(SystemExit, match="^2$"):
+            serve_loop.parse_args(argv.split())
+        assert message in capsys.readouterr().err, argv
+
+
+def test_head_dim_above_the_limit_is_no_traceback():
+    p = subprocess.run([sys.executable, str(EXAMPLE), "--head-dim", "512"], cwd=tempfile.gettempdir(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "at most" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_short_and_long_dtype_names(serve_loop):
+    for short, long in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+        assert serve_loop.parse_args(["--dtype", short]).dtype == short
+        assert serve_loop.parse_args(["--dtype", long]).dtype == short
