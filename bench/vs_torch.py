@@ -3,8 +3,11 @@
 
     python bench/vs_torch.py --threads 16 [--cases prefill,decode] [--reps 7]
 
-Used for before/after comparisons of kernel changes (run it under each build's PYTHONPATH)."""
+Used for before/after comparisons of kernel changes: run it under each build's PYTHONPATH, or
+with --ab-env NAME to time fa2cpu with NAME=1 and NAME=0 alternately in one process (for switches
+the core reads per call, e.g. FA2CPU_SHARED_TILES)."""
 import argparse
+import os
 import statistics
 import time
 
@@ -44,11 +47,13 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--max-n", type=int, default=4096, help="skip prefill cases longer than this")
+    ap.add_argument("--ab-env", help="also time fa2cpu with this environment variable set to 0")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
     print(f"# fa2cpu {fa2cpu.get_isa()}, torch {torch.__version__}, {a.threads} threads")
-    print(f"{'case':34s} {'fa2cpu ms':>10s} {'torch ms':>10s} {'ratio':>6s}")
+    ab = f" {a.ab_env + '=0 ms':>22s} {'ratio':>6s}" if a.ab_env else ""
+    print(f"{'case':40s} {'fa2cpu ms':>10s} {'torch ms':>10s} {'ratio':>6s}{ab}")
     rows = []
     if "prefill" in a.cases:
         for dt, n, causal in [c for c in PREFILL if c[1] <= a.max_n]:
@@ -77,12 +82,22 @@ def main():
 
             rows.append((f"decode {dt} B=16 H=32/8 Nk={nk} D=128", ours, theirs))
     for name, ours, theirs in rows:
-        to, tt = [], []
-        for _ in range(3):  # alternate, so drift hits both
+        to, tt, tb = [], [], []
+        for _ in range(3):  # alternate, so drift hits all
+            if a.ab_env:
+                os.environ[a.ab_env] = "1"
             to.append(timed(ours, a.reps))
             tt.append(timed(theirs, a.reps))
+            if a.ab_env:
+                os.environ[a.ab_env] = "0"
+                tb.append(timed(ours, a.reps))
+                os.environ[a.ab_env] = "1"
         mo, mt = statistics.median(to), statistics.median(tt)
-        print(f"{name:34s} {mo * 1e3:10.2f} {mt * 1e3:10.2f} {mt / mo:6.2f}", flush=True)
+        line = f"{name:40s} {mo * 1e3:10.2f} {mt * 1e3:10.2f} {mt / mo:6.2f}"
+        if tb:
+            mb = statistics.median(tb)
+            line += f" {mb * 1e3:22.2f} {mt / mb:6.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -67,14 +67,12 @@ struct Plan {
 // Whether packing K/V once per (sequence, kv head) pays: one route for all sequences (one tile
 // size), an operand it packs, tiles that start at multiples of the tile (no left window bound),
 // more than one item per kv head, and the slots within budget. FA2CPU_SHARED_TILES=0 turns it off
-// (for A/B measurements).
+// (read per call, for in-process A/B measurements: bench/vs_torch.py --ab-env).
 void plan_shared_tiles(const Params& p, const KernelTable& T, const std::vector<int>& seq_route, int64_t items_per_head,
                        Plan& plan) {
-    static const bool enabled = [] {
-        const char* e = std::getenv("FA2CPU_SHARED_TILES");
-        return !(e && e[0] == '0');
-    }();
-    if (!enabled || p.window_left >= 0 || items_per_head < 2 || seq_route.empty()) return;
+    if (p.window_left >= 0 || items_per_head < 2 || seq_route.empty()) return;
+    const char* off = std::getenv("FA2CPU_SHARED_TILES");
+    if (off && off[0] == '0') return;
     for (int r : seq_route)
         if (r != seq_route[0]) return;
     const Route& R = T.routes[seq_route[0]];
@@ -199,6 +197,7 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
     const WorkItem& it = mg.base;
     const int64_t G = p.hq / p.hk, Dv = p.dv, nqi = it.i1 - it.i0, rows = (it.g1 - it.g0) * nqi;
     const DType dt = DType(p.dtype);
+    FA2CPU_CHECK(Dv <= kMaxHeadDim);  // check_params
     float acc[kMaxHeadDim];
     for (int64_t r = 0; r < rows; ++r) {
         // A NaN partial (the row's inputs hold a NaN) makes the row NaN: `x > mx` alone would skip

@@ -46,11 +46,9 @@ struct RowBlock {
     int vectors, rows;
     const int32_t* kv_head;
 };
-// The O accumulator of the "rows in lanes" policies: O^T [o_rows][M], row r's column j at
-// o[j*M + r].
+// The O accumulator of the "rows in lanes" policies: O^T [Dv][M], row r's column j at o[j*M + r].
 template <class V>
 struct TransposedO {
-    static int64_t o_rows(int64_t Dv) { return Dv; }
     static int64_t o_floats(int64_t Dv, int64_t M) { return Dv * M; }
     static float o_elem(const float* o, int64_t M, int64_t, int64_t r, int64_t j) { return o[j * M + r]; }
     static void rescale_o(float* o, int64_t M, int64_t Dv, int64_t r, typename V::vec alpha) {
