@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from ._validate import _Options, _alibi, _cu_seqlens, _data, _dtype_code, _qkv, _same_dtype, _threads
+from ._validate import _Options, _alibi, _cu_seqlens_pair, _data, _packed, _qkv, _threads
 
 __all__ = ["flash_attention_backward", "flash_attention_varlen_backward"]
 
@@ -264,22 +264,13 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     the forward). Returns new ``(dq, dk, dv)`` in the input dtype; rows of a sequence without keys
     (and keys of a sequence without queries) get zero gradients.
     """
-    q = _data("q", q); k = _data("k", k); v = _data("v", v)
-    dout = _data("dout", dout); out = _data("out", out); lse = _data("lse", lse)
-    _dtype_code("q", q)
-    _same_dtype("q", q, k=k, v=v, dout=dout, out=out)
-    for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
-        if a.ndim != 3:
-            raise ValueError(f"{name}: expected a 3-D (total, H, D) array, got shape {a.shape}")
-    Tq, Hq, _ = q.shape
-    Tk = k.shape[0]
-    _match("dout", dout, (Tq, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
-    _match("out", out, (Tq, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
-    _match("lse", lse, (Hq, Tq), np.float32, "float32")
-    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq)
-    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_k: shape {cu_k.shape} does not match cu_seqlens_q's shape {cu_q.shape}")
+    q, k, v, dout, out = _packed(q=q, k=k, v=v, dout=dout, out=out)
+    lse = _data("lse", lse)
+    total_q, Hq, _ = q.shape
+    _match("dout", dout, (total_q, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
+    _match("out", out, (total_q, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
+    _match("lse", lse, (Hq, total_q), np.float32, "float32")
+    cu_q, cu_k = _cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0])
     del max_seqlen_q, max_seqlen_k  # bounds for the forward's planning; the loop needs none
     slopes = None
     if alibi_slopes is not None:
