@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._validate import _f32_real, _int, _window_pair
+from ._checks import _f32_real, _int, _window_pair
 
 # Inside PyTorch, run fa2cpu's parallel work on torch's threads: torch and fa2cpu share the
 # process's one libgomp (same soname), and torch's OpenMP threads keep spinning for milliseconds

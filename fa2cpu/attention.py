@@ -4,7 +4,7 @@ enum are in fa2cpu/_validate.py (_DTYPES)."""
 import numpy as np
 
 from . import _core
-from ._validate import _kvcache_checked, _kvcache_lean, attention_problem, varlen_problem
+from ._validate import attention_problem, kvcache_problem, kvcache_problem_lean, varlen_problem
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
 
@@ -142,10 +142,10 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                   alibi_slopes, return_lse, num_splits, num_threads, out, layout):
     """flash_attention_with_kvcache -> (out, lse or None); also fa2cpu.torch's, on tensor views."""
     # The lean checks first (a decode step's common case, a few microseconds), else every check.
-    found = None if alibi_slopes is not None else _kvcache_lean(
+    found = None if alibi_slopes is not None else kvcache_problem_lean(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap, num_splits,
         num_threads, out, layout)
-    problem, out, append = found or _kvcache_checked(
+    problem, out, append = found or kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap, alibi_slopes,
         num_splits, num_threads, out, layout)
     if append is not None:  # every check passed: write the new keys/values in place

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from ._validate import _Options, _alibi, _cu_seqlens_pair, _data, _packed, _qkv, _threads
+from ._checks import _Options, _alibi, _cu_seqlens_pair, _data, _packed, _qkv, _threads
 
 __all__ = ["flash_attention_backward", "flash_attention_varlen_backward"]
 

@@ -39,7 +39,7 @@ import torch
 from ._torch_bridge import (_CACHE_VIEWS, _FLOATS, _check_tensors, _direct, _float_arg, _int_arg,  # noqa: F401
                             _no_grad_out, _np, _tensor, _use_torch_threads, _window_arg)
 from ._torch_ops import _fa_impl, _kvcache_impl, _varlen_impl  # importing it defines torch.ops.fa2cpu
-from ._validate import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _int
+from ._checks import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _int
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
            "scaled_dot_product_attention", "patch_sdpa"]

@@ -61,7 +61,7 @@ from transformers.modeling_utils import AttentionInterface
 # so a spy on ``fa2cpu.torch.flash_attention`` (tests) sees every call.
 from fa2cpu import torch as _ft
 from fa2cpu._torch_bridge import _FLOATS
-from fa2cpu._validate import MAX_HEAD_DIM
+from fa2cpu._checks import MAX_HEAD_DIM
 
 # _KVLayer and _recognise are also reached from here by tests and bench/hf_attention.py.
 from ._hf_cache import _PENDING_ATTR, _REGISTERED, KVCache, _KVLayer  # noqa: F401
