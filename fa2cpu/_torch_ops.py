@@ -13,45 +13,37 @@ from .backward import flash_attention_varlen_backward as _np_varlen_backward
 # ---------------------------------------------------------------------------------------------
 # Implementations on real CPU tensors (called directly in eager mode and by the operators)
 # ---------------------------------------------------------------------------------------------
+def _through_numpy(function, q, v, out, return_lse, *args, **kwargs):
+    """Calls the NumPy API's ``function(*args, **kwargs)`` (NumPy views of the tensors) writing
+    ``out`` (None = a new tensor of q's rows and v's head dim) -> (out, lse tensor or None)."""
+    if out is None:
+        out, out_view = _result(q, v)
+    else:
+        out_view = _np("out", out)
+        torch._C._increment_version((out,))   # written by the call (if every check passes)
+    result = function(*args, return_lse=return_lse, out=out_view, **kwargs)
+    if out is None:  # the NumPy API allocated it (only when the shapes were already invalid)
+        out = _tensor(result[0] if return_lse else result)
+    return (out, _tensor(result[1])) if return_lse else (out, None)
+
+
 def _fa_impl(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads,
              return_lse, out):
     """flash_attention on tensors -> (out, lse or None); ``out`` None = a new tensor."""
-    qn, kn, vn = _np("q", q), _np("k", k), _np("v", v)
-    if out is None:
-        out, out_np = _result(q, v)
-    else:
-        out_np = _np("out", out)
-        torch._C._increment_version((out,))   # written below (if every check passes)
-    r = _api.flash_attention(qn, kn, vn, causal=causal, scale=scale, window=window, softcap=softcap,
-                             alibi_slopes=_np_opt("alibi_slopes", alibi_slopes),
-                             mask=_np_opt("mask", mask), return_lse=return_lse, layout=layout,
-                             num_threads=num_threads, out=out_np)
-    if out is None:  # the NumPy API allocated it (only when the shapes were already invalid)
-        out = _tensor(r[0] if return_lse else r)
-    return (out, _tensor(r[1])) if return_lse else (out, None)
+    return _through_numpy(_api.flash_attention, q, v, out, return_lse, _np("q", q), _np("k", k), _np("v", v),
+                          causal=causal, scale=scale, window=window, softcap=softcap,
+                          alibi_slopes=_np_opt("alibi_slopes", alibi_slopes), mask=_np_opt("mask", mask),
+                          layout=layout, num_threads=num_threads)
 
 
 def _varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                  window, softcap, alibi_slopes, num_threads, return_lse, out):
     """flash_attention_varlen on tensors -> (out, lse or None)."""
-    qn, kn, vn = _np("q", q), _np("k", k), _np("v", v)
-    if out is None:
-        out, out_np = _result(q, v)
-    else:
-        out_np = _np("out", out)
-        torch._C._increment_version((out,))   # written below (if every check passes)
-    r = _api.flash_attention_varlen(qn, kn, vn, _np("cu_seqlens_q", cu_seqlens_q),
-                                    _np("cu_seqlens_k", cu_seqlens_k), max_seqlen_q=max_seqlen_q,
-                                    max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
-                                    window=window, softcap=softcap,
-                                    alibi_slopes=_np_opt("alibi_slopes", alibi_slopes),
-                                    return_lse=return_lse, num_threads=num_threads, out=out_np)
-    if out is None:
-        out = _tensor(r[0] if return_lse else r)
-    return (out, _tensor(r[1])) if return_lse else (out, None)
-
-
-# Small read-only int64 arrays of cache lengths, by (batch, length): a scalar cache_seqlens needs
+    return _through_numpy(_api.flash_attention_varlen, q, v, out, return_lse, _np("q", q), _np("k", k),
+                          _np("v", v), _np("cu_seqlens_q", cu_seqlens_q), _np("cu_seqlens_k", cu_seqlens_k),
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
+                          window=window, softcap=softcap, alibi_slopes=_np_opt("alibi_slopes", alibi_slopes),
+                          num_threads=num_threads)
 
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
@@ -76,7 +68,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     return out, (None if lse is None else torch.from_numpy(lse))
 
 
-def _lse_grad_pass(backward, dlse_rows, q, k, v, lse, **kw):
+def _lse_grad_pass(backward, dlse_rows, q, k, v, lse, **options):
     """Gradients in q, k of ``sum(dlse * lse)`` from ``backward`` itself: with v = 0 (Dv = 1),
     out = 1 and dout = -dlse the backward's dS = P * (dP - rowsum(dout * out)) is exactly
     P * dlse = dlse * d lse / d s (softcap's chain rule included). ``dlse_rows``: dlse laid out
@@ -84,7 +76,7 @@ def _lse_grad_pass(backward, dlse_rows, q, k, v, lse, **kw):
     dout = (-dlse_rows).astype(q.dtype)
     ones = np.ones(dout.shape, q.dtype)
     zeros = np.zeros(v.shape[:-1] + (1,), q.dtype)
-    dq, dk, _ = backward(dout, q, k, zeros, ones, lse, **kw)
+    dq, dk, _ = backward(dout, q, k, zeros, ones, lse, **options)
     return dq, dk
 
 
@@ -93,6 +85,17 @@ def _add(a, b):
     return (a.astype(np.float32) + b.astype(np.float32)).astype(a.dtype)
 
 
+def _gradient_tensors(backward, dout, q, k, v, out, lse, dlse_rows, options):
+    """(dq, dk, dv) tensors from the NumPy ``backward(dout, q, k, v, out, lse, **options)``, plus
+    the gradients in q and k of ``sum(dlse * lse)`` when ``dlse_rows`` (see _lse_grad_pass) is
+    given."""
+    arrays = [_np(name, t) for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))]
+    dq, dk, dv = backward(*arrays, **options)
+    if dlse_rows is not None:
+        _, q_view, k_view, v_view, _, lse_view = arrays
+        lse_dq, lse_dk = _lse_grad_pass(backward, dlse_rows, q_view, k_view, v_view, lse_view, **options)
+        dq, dk = _add(dq, lse_dq), _add(dk, lse_dk)
+    return _tensor(dq), _tensor(dk), _tensor(dv)
 
 
 _MASK_GRAD = ("flash_attention: gradients with mask= are not supported (fa2cpu's backward has no "
@@ -105,32 +108,29 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, causal, scale, window, softcap, ali
     """(dq, dk, dv) tensors of flash_attention, gradients of out and (if nonzero) of lse."""
     if has_mask:
         raise NotImplementedError(_MASK_GRAD)
-    arrs = [_np(n, t) for n, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))]
-    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap,
-              alibi_slopes=_np_opt("alibi_slopes", alibi_slopes), layout=layout, num_threads=num_threads)
-    dq, dk, dv = _np_backward(*arrs, **kw)
+    dlse_rows = None
     if dlse is not None and bool(dlse.any()):
-        dl = _np("dlse", dlse)
-        rows = dl.transpose(0, 2, 1)[..., None] if layout == "bshd" else dl[..., None]
-        gq, gk = _lse_grad_pass(_np_backward, rows, arrs[1], arrs[2], arrs[3], arrs[5], **kw)
-        dq, dk = _add(dq, gq), _add(dk, gk)
-    return _tensor(dq), _tensor(dk), _tensor(dv)
+        dlse_view = _np("dlse", dlse)
+        dlse_rows = dlse_view.transpose(0, 2, 1)[..., None] if layout == "bshd" else dlse_view[..., None]
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
+                   alibi_slopes=_np_opt("alibi_slopes", alibi_slopes), layout=layout, num_threads=num_threads)
+    return _gradient_tensors(_np_backward, dout, q, k, v, out, lse, dlse_rows, options)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, causal, scale, window, softcap, alibi_slopes, num_threads):
-    arrs = [_np(n, t) for n, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))]
-    cu = (_np("cu_seqlens_q", cu_seqlens_q), _np("cu_seqlens_k", cu_seqlens_k))
-    kw = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
-              window=window, softcap=softcap, alibi_slopes=_np_opt("alibi_slopes", alibi_slopes),
-              num_threads=num_threads)
-    dq, dk, dv = _np_varlen_backward(*arrs, *cu, **kw)
+    """(dq, dk, dv) tensors of flash_attention_varlen, gradients of out and (if nonzero) of lse."""
+    offsets = (_np("cu_seqlens_q", cu_seqlens_q), _np("cu_seqlens_k", cu_seqlens_k))
+
+    def backward(dout, q, k, v, out, lse, **options):  # the varlen backward with this call's offsets
+        return _np_varlen_backward(dout, q, k, v, out, lse, *offsets, **options)
+    dlse_rows = None
     if dlse is not None and bool(dlse.any()):
-        rows = _np("dlse", dlse).T[..., None]                        # (total_q, Hq, 1)
-        bwd = lambda do, q_, k_, v_, o, l, **kw_: _np_varlen_backward(do, q_, k_, v_, o, l, *cu, **kw_)  # noqa: E731
-        gq, gk = _lse_grad_pass(bwd, rows, arrs[1], arrs[2], arrs[3], arrs[5], **kw)
-        dq, dk = _add(dq, gq), _add(dk, gk)
-    return _tensor(dq), _tensor(dk), _tensor(dv)
+        dlse_rows = _np("dlse", dlse).T[..., None]                  # (total_q, Hq, 1)
+    options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
+                   window=window, softcap=softcap, alibi_slopes=_np_opt("alibi_slopes", alibi_slopes),
+                   num_threads=num_threads)
+    return _gradient_tensors(backward, dout, q, k, v, out, lse, dlse_rows, options)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,28 +223,38 @@ def _fake_bwd(dout, q, k, v, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def _save_for_backward(ctx, q, k, v, out, lse, rest):
+    """Autograd context of a forward operator: ``rest`` = the backward operator's arguments after
+    ``dlse``; its tensors go through save_for_backward, everything else is kept as is."""
+    ctx.tensor_slots = [isinstance(a, torch.Tensor) for a in rest]
+    ctx.save_for_backward(q, k, v, out, lse, *(a for a, is_tensor in zip(rest, ctx.tensor_slots) if is_tensor))
+    ctx.rest = [None if is_tensor else a for a, is_tensor in zip(rest, ctx.tensor_slots)]
+
+
+def _backward_through(name, n_inputs):
+    """Autograd formula of a forward operator with ``n_inputs`` inputs: the operator ``name``
+    (dout, q, k, v, out, lse, dlse, *rest) -> (dq, dk, dv); no gradient for the other inputs."""
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        saved = iter(saved)
+        rest = [next(saved) if is_tensor else a for a, is_tensor in zip(ctx.rest, ctx.tensor_slots)]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = getattr(torch.ops.fa2cpu, name)(dout, q, k, v, out, lse, dlse, *rest)
+        return (dq, dk, dv) + (None,) * (n_inputs - 3)
+    return backward
+
+
 def _fa_setup_context(ctx, inputs, output):
     q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.options = (causal, scale, window, softcap, layout, num_threads, mask is not None)
-
-
-def _fa_backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-    causal, scale, window, softcap, layout, num_threads, has_mask = ctx.options
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.fa2cpu.flash_attention_backward(
-        dout, q, k, v, out, lse, dlse, causal, scale, window, softcap, alibi_slopes, layout,
-        num_threads, has_mask)
-    return (dq, dk, dv) + (None,) * 8
+    _save_for_backward(ctx, q, k, v, *output,
+                       (causal, scale, window, softcap, alibi_slopes, layout, num_threads, mask is not None))
 
 
 _define("flash_attention", _cpu_fa, _fake_fa)
 _define("flash_attention_out", _cpu_fa_out, _fake_fa_out)
 _define("flash_attention_backward", _cpu_fa_bwd, _fake_bwd)
-torch.library.register_autograd("fa2cpu::flash_attention", _fa_backward,
+torch.library.register_autograd("fa2cpu::flash_attention", _backward_through("flash_attention_backward", 11),
                                 setup_context=_fa_setup_context, lib=_LIB)
 
 
@@ -280,28 +290,15 @@ def _cpu_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, m
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, alibi_slopes,
-     num_threads) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
-    ctx.options = (max_q, max_k, causal, scale, window, softcap, num_threads)
-
-
-def _varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
-    max_q, max_k, causal, scale, window, softcap, num_threads = ctx.options
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.fa2cpu.flash_attention_varlen_backward(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap,
-        alibi_slopes, num_threads)
-    return (dq, dk, dv) + (None,) * 10
+    q, k, v, *rest = inputs   # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, num_threads
+    _save_for_backward(ctx, q, k, v, *output, rest)
 
 
 _define("flash_attention_varlen", _cpu_varlen, _fake_varlen)
 _define("flash_attention_varlen_out", _cpu_varlen_out, _fake_varlen_out)
 _define("flash_attention_varlen_backward", _cpu_varlen_bwd, _fake_bwd)
-torch.library.register_autograd("fa2cpu::flash_attention_varlen", _varlen_backward,
+torch.library.register_autograd("fa2cpu::flash_attention_varlen",
+                                _backward_through("flash_attention_varlen_backward", 13),
                                 setup_context=_varlen_setup_context, lib=_LIB)
 
 
