@@ -174,8 +174,8 @@ def _sdpa_supported(query, key, value, attn_mask, dropout_p, is_causal, enable_g
         return False
     if not torch.compiler.is_compiling() and torch.overrides.has_torch_function((query, key, value, attn_mask)):
         return False
-    dt = query.dtype
-    if dt not in _FLOATS or key.dtype != dt or value.dtype != dt:
+    dtype = query.dtype
+    if dtype not in _FLOATS or key.dtype != dtype or value.dtype != dtype:
         return False
     if query.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu":
         return False
@@ -196,7 +196,7 @@ def _sdpa_supported(query, key, value, attn_mask, dropout_p, is_causal, enable_g
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor) or attn_mask.device.type != "cpu":
             return False
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != dt:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != dtype:
             return False
         if attn_mask.requires_grad or rank > 4 or attn_mask.dim() > rank:
             return False

@@ -151,14 +151,14 @@ class _KVLayer(CacheLayerMixin):
                 "KVCache: the keys/values of the previous forward were never stored. KVCache only works with an "
                 "attention implementation registered by fa2cpu.integrations.transformers.register() "
                 f"(registered: {sorted(_REGISTERED) or 'none'}).")
-        kc = self.k_cache
-        if key_states.dtype != kc.dtype:
+        k_cache = self.k_cache
+        if key_states.dtype != k_cache.dtype:
             raise TypeError(f"KVCache: the model computes keys in {key_states.dtype} but the cache holds "
-                            f"{kc.dtype}; create it with dtype={key_states.dtype}")
-        if (key_states.shape[1] != kc.shape[2] or key_states.shape[3] != kc.shape[3]
+                            f"{k_cache.dtype}; create it with dtype={key_states.dtype}")
+        if (key_states.shape[1] != k_cache.shape[2] or key_states.shape[3] != k_cache.shape[3]
                 or value_states.shape[3] != self.v_cache.shape[3]):
             raise ValueError(f"KVCache: keys of shape {tuple(key_states.shape)} (B, Hk, N, D) do not fit the cache "
-                             f"built for Hk={kc.shape[2]}, D={kc.shape[3]}")
+                             f"built for Hk={k_cache.shape[2]}, D={k_cache.shape[3]}")
         self._pending = (key_states, value_states)
         setattr(key_states, _PENDING_ATTR, self)
         return key_states, value_states
@@ -174,19 +174,20 @@ class _KVLayer(CacheLayerMixin):
         if plan is not None:
             return plan
         B = self.batch
-        r = row[:, 0, 0, :]
-        pos = torch.arange(r.shape[1])[None, :]
+        real = row[:, 0, 0, :]
+        pos = torch.arange(real.shape[1])[None, :]
         if self.length == 0:
-            first = torch.where(r.any(dim=1), r.int().argmax(dim=1), torch.full((B,), r.shape[1], dtype=torch.long))
+            first = torch.where(real.any(dim=1), real.int().argmax(dim=1),
+                                torch.full((B,), real.shape[1], dtype=torch.long))
             if not bool(first.any()):
-                plan = _APPEND if bool(r.all()) else _GENERAL
-            elif bool((r == (pos >= first[:, None])).all()):
+                plan = _APPEND if bool(real.all()) else _GENERAL
+            elif bool((real == (pos >= first[:, None])).all()):
                 plan = ("compact", first.numpy().astype(np.int64))
             else:
                 plan = _GENERAL
         else:
             expect = pos >= torch.from_numpy(self.offsets[:B])[:, None]
-            plan = _APPEND if bool((r == expect).all()) else _GENERAL
+            plan = _APPEND if bool((real == expect).all()) else _GENERAL
         spec.memo[memo_key] = plan
         return plan
 
@@ -224,14 +225,15 @@ class _KVLayer(CacheLayerMixin):
             dense, lo, hi = attention_mask[..., :total], -1, -1
         plan = _GENERAL if dense is not None else self._padding_plan(spec, attention_mask)
         q = query.transpose(1, 2)
-        kn, vn = k_new.transpose(1, 2), v_new.transpose(1, 2)
-        kc, vc, table, seqlens_t, seqlens = self._views
+        k_new_bshd, v_new_bshd = k_new.transpose(1, 2), v_new.transpose(1, 2)
+        k_cache, v_cache, table, seqlens_t, seqlens = self._views
         paged = self._owner.paged
         if plan is _APPEND:  # the decode path: append in place and attend, one call
             if paged:
                 self._owner._allocate(B, seqlens + n_new)
             out = _ft.flash_attention_with_kvcache(
-                q, kc, vc, kn, vn, cache_seqlens=self.length if self._uniform else seqlens_t, block_table=table,
+                q, k_cache, v_cache, k_new_bshd, v_new_bshd,
+                cache_seqlens=self.length if self._uniform else seqlens_t, block_table=table,
                 scale=scaling, window=(lo, hi), softcap=softcap)
             seqlens += n_new
         elif plan[0] == "compact":  # left-padded prompt: store each sequence's real tokens only
@@ -240,13 +242,13 @@ class _KVLayer(CacheLayerMixin):
             self._owner._allocate(B, lens)
             for b in range(B):
                 if lens[b]:
-                    self._scatter(kn[b:b + 1, pads[b]:], vn[b:b + 1, pads[b]:], 0, torch.tensor([b]))
+                    self._scatter(k_new_bshd[b:b + 1, pads[b]:], v_new_bshd[b:b + 1, pads[b]:], 0, torch.tensor([b]))
             self.offsets[:B], seqlens[:] = pads, lens
             self._set_batch(B)
-            out = _ft.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens_t, block_table=table,
+            out = _ft.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens_t, block_table=table,
                                                    scale=scaling, window=(lo, hi), softcap=softcap)
         else:
-            out = self._attend_general(q, kn, vn, attention_mask, spec, dense, lo, hi, scaling, softcap)
+            out = self._attend_general(q, k_new_bshd, v_new_bshd, attention_mask, spec, dense, lo, hi, scaling, softcap)
         self.length = total
         return out
 
@@ -256,9 +258,9 @@ class _KVLayer(CacheLayerMixin):
         if self._uniform:
             return
         if row is not None:
-            r = row[:, 0, 0, :]
+            real = row[:, 0, 0, :]
             for b in range(B):
-                if self.offsets[b] and bool(r[b, :self.offsets[b]].any()):
+                if self.offsets[b] and bool(real[b, :self.offsets[b]].any()):
                     raise RuntimeError("KVCache: the attention mask now lets queries see left-padding tokens that "
                                        "were dropped when the prompt was stored")
         rows = torch.arange(B)
@@ -277,16 +279,16 @@ class _KVLayer(CacheLayerMixin):
         self.offsets[:B] = 0
         self._set_batch(B)
 
-    def _attend_general(self, q, kn, vn, row, spec, dense, lo, hi, scaling, softcap):
+    def _attend_general(self, q, k_new_bshd, v_new_bshd, row, spec, dense, lo, hi, scaling, softcap):
         """Any padding pattern or a dense mask: sequences stored at transformers' positions, new
         tokens written in place, then attention over [0, length + N) with the padding row (or the
         dense mask)."""
-        B, n_new = kn.shape[0], kn.shape[1]
+        B, n_new = k_new_bshd.shape[0], k_new_bshd.shape[1]
         self._to_positions(row if spec is not None else None)
         total = self.length + n_new
         rows = torch.arange(B)
         self._owner._allocate(B, np.full(B, total))
-        self._scatter(kn, vn, self.length, rows)
+        self._scatter(k_new_bshd, v_new_bshd, self.length, rows)
         if self._owner.paged:
             keys, values = self._gather(rows, total), self._gather(rows, total, values=True)
         else:

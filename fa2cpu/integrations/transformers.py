@@ -124,13 +124,13 @@ def _segments(spec, row, n):
     hit = spec.memo.get("segments")
     if hit is not None:
         return hit or None
-    r = row[:, 0, 0, :]
-    b = r.shape[0]
-    count = r.sum(dim=1)
-    first = torch.where(count > 0, r.int().argmax(dim=1), torch.full_like(count, n))
+    real = row[:, 0, 0, :]
+    b = real.shape[0]
+    count = real.sum(dim=1)
+    first = torch.where(count > 0, real.int().argmax(dim=1), torch.full_like(count, n))
     last = first + count
     pos = torch.arange(n)[None, :]
-    if not bool((r == ((pos >= first[:, None]) & (pos < last[:, None]))).all()):
+    if not bool((real == ((pos >= first[:, None]) & (pos < last[:, None]))).all()):
         spec.memo["segments"] = False
         return None
     base = torch.arange(b)[:, None] * n
