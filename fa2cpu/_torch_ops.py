@@ -51,7 +51,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     """flash_attention_with_kvcache on tensors -> (out, lse or None): NumPy views (memoised for
     the long-lived caches), then the NumPy API's one validation, append and launch. A new out is
     allocated by NumPy and wrapped (half the cost of torch.empty on the decode path)."""
-    if isinstance(cache_seqlens, torch.Tensor):
+    if type(cache_seqlens) is not int and isinstance(cache_seqlens, torch.Tensor):  # (an int: the decode case)
         cache_seqlens = _np("cache_seqlens", cache_seqlens)
     out_view, lse = _api._with_kvcache(
         _np("q", q), _cache_view("k_cache", k_cache), _cache_view("v_cache", v_cache),
