@@ -1,6 +1,6 @@
 """Public attention functions: every argument checked and normalised into a Problem
 (fa2cpu/_validate.py), then one launch (_launch) into the core. The dtype codes of the C++ DType
-enum are in fa2cpu/_validate.py (_DTYPES)."""
+enum are in fa2cpu/_checks.py (_DTYPES)."""
 import numpy as np
 
 from . import _core
