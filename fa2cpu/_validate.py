@@ -157,6 +157,10 @@ _INT32 = np.dtype(np.int32)
 _INDEX_DTYPES = (_INT32, np.dtype(np.int64))  # dtype instances: `in` then tests identity first (~0.05 us, not 0.5)
 
 
+def _contiguous_writable(flags):  # one flags object (each .flags access builds a new one)
+    return flags.c_contiguous and flags.writeable and flags.aligned
+
+
 def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
                          num_splits, num_threads, out, layout):
     """kvcache_problem for the common decode case, checked with cheap metadata tests (a decode step
@@ -256,8 +260,7 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     if out is None:
         out = np.empty(out_shape, dtype)
     elif type(out) is not np.ndarray or out.dtype is not dtype or out.shape != out_shape \
-            or not out.flags.c_contiguous or not out.flags.writeable or not out.flags.aligned \
-            or np.may_share_memory(out, q) or np.may_share_memory(out, k_cache) \
+            or not _contiguous_writable(out.flags) or np.may_share_memory(out, q) or np.may_share_memory(out, k_cache) \
             or np.may_share_memory(out, v_cache) or (new_tokens and (
                 np.may_share_memory(out, k) or np.may_share_memory(out, v))):
         return None
