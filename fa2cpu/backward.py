@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from ._validate import _Options, _alibi, _cu_seqlens, _data, _dtype_code, _qkv, _same_dtype, _threads
+from ._checks import _Options, _alibi, _cu_seqlens_pair, _data, _packed, _qkv, _threads
 
 __all__ = ["flash_attention_backward", "flash_attention_varlen_backward"]
 
@@ -70,68 +70,72 @@ def _match(name, a, shape, dtype, what):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
 
 
-def _rows(x, b, h0, g):
-    """(Nq, g, d) float32 C-contiguous heads h0..h0+g of batch b of a 4-D bhsd view (read only:
+def _rows(x, b, first_head, group):
+    """(Nq, group, d) float32 C-contiguous heads first_head .. first_head + group - 1 of batch b of a
+    4-D bhsd view (read only:
     a view when already so, else a copy)."""
-    return np.ascontiguousarray(x[b, h0:h0 + g].transpose(1, 0, 2), dtype=_F32)
+    return np.ascontiguousarray(x[b, first_head:first_head + group].transpose(1, 0, 2), dtype=_F32)
 
 
-def _task(b, hk, g, q4, k4, v4, do4, o4, lse3, dq4, dk4, dv4, alibi, opt):
-    """Gradients of query heads hk*g ... hk*g+g-1 and of kv head hk of batch b."""
+def _task(b, kv_head, group, q4, k4, v4, do4, o4, lse3, dq4, dk4, dv4, alibi, options):
+    """Gradients of query heads kv_head * group ... (kv_head + 1) * group - 1 and of kv head
+    kv_head of batch b."""
     Nq, Nk = q4.shape[2], k4.shape[2]
     D = q4.shape[3]
     dtype = dq4.dtype
-    h0 = hk * g
-    scale, cap = opt.scale, opt.softcap
-    left, right = opt.left, opt.right
-    off = Nk - Nq  # bottom-right alignment: row i's diagonal is key i + off
+    first_head = kv_head * group
+    scale, softcap = options.scale, options.softcap
+    left, right = options.left, options.right
+    diagonal_offset = Nk - Nq  # bottom-right alignment: row i's diagonal is key i + diagonal_offset
 
-    dQ = np.zeros((Nq, g, D), _F32)
+    dQ = np.zeros((Nq, group, D), _F32)
     if Nq and Nk:
-        Q = _rows(q4, b, h0, g)
-        dO = _rows(do4, b, h0, g)
+        Q = _rows(q4, b, first_head, group)
+        dO = _rows(do4, b, first_head, group)
         # D_i = rowsum(dO * O), per (row, head)
-        Di = np.einsum("igd,igd->ig", dO, _rows(o4, b, h0, g))
-        L = np.ascontiguousarray(lse3[b, h0:h0 + g].T, dtype=_F32)         # (Nq, g)
-        L[np.isneginf(L)] = np.inf   # rows that see no key: P = exp(-inf or s - inf) = 0, not NaN
-        slopes = None if alibi is None else np.asarray(alibi[b, h0:h0 + g], _F32)[None, :, None]
-        bk = max(1, _BLOCK_K)
-        bq = max(1, _BLOCK_ROWS // g)
-        for j0 in range(0, Nk, bk):
-            j1 = min(Nk, j0 + bk)
-            # query rows that see at least one key of [j0, j1)
-            lo = max(0, j0 - off - right) if right >= 0 else 0
-            hi = min(Nq, j1 - off + left) if left >= 0 else Nq
-            if lo >= hi:
-                dk4[b, hk, j0:j1] = 0
-                dv4[b, hk, j0:j1] = 0
+        dout_dot_out = np.einsum("igd,igd->ig", dO, _rows(o4, b, first_head, group))
+        lse_rows = np.ascontiguousarray(lse3[b, first_head:first_head + group].T, dtype=_F32)  # (Nq, group)
+        lse_rows[np.isneginf(lse_rows)] = np.inf   # rows that see no key: P = exp(-inf or s - inf) = 0, not NaN
+        slopes = None if alibi is None else np.asarray(alibi[b, first_head:first_head + group], _F32)[None, :, None]
+        block_k = max(1, _BLOCK_K)
+        block_q = max(1, _BLOCK_ROWS // group)
+        for key_start in range(0, Nk, block_k):
+            key_end = min(Nk, key_start + block_k)
+            # query rows that see at least one key of [key_start, key_end)
+            first_row = max(0, key_start - diagonal_offset - right) if right >= 0 else 0
+            end_row = min(Nq, key_end - diagonal_offset + left) if left >= 0 else Nq
+            if first_row >= end_row:
+                dk4[b, kv_head, key_start:key_end] = 0
+                dv4[b, kv_head, key_start:key_end] = 0
                 continue
-            K = np.ascontiguousarray(k4[b, hk, j0:j1], dtype=_F32)
-            V = np.ascontiguousarray(v4[b, hk, j0:j1], dtype=_F32)
+            K = np.ascontiguousarray(k4[b, kv_head, key_start:key_end], dtype=_F32)
+            V = np.ascontiguousarray(v4[b, kv_head, key_start:key_end], dtype=_F32)
             dK = np.zeros(K.shape, _F32)
             dV = np.zeros(V.shape, _F32)
-            jj = np.arange(j0, j1)
-            for i0 in range(lo, hi, bq):
-                i1 = min(hi, i0 + bq)
-                n = i1 - i0
-                rows = n * g
-                Qb = Q[i0:i1].reshape(rows, D)
-                dOb = dO[i0:i1].reshape(rows, -1)
-                S = Qb @ K.T                                                # (rows, bk)
+            key_index = np.arange(key_start, key_end)
+            for row_start in range(first_row, end_row, block_q):
+                row_end = min(end_row, row_start + block_q)
+                tile_rows = row_end - row_start
+                tile_items = tile_rows * group
+                Q_tile = Q[row_start:row_end].reshape(tile_items, D)
+                dO_tile = dO[row_start:row_end].reshape(tile_items, -1)
+                S = Q_tile @ K.T                                          # (tile_items, block_k)
                 S *= _F32(scale)
                 T = None
-                if cap > 0:
-                    T = np.tanh(S * _F32(1.0 / cap))
-                    S = np.multiply(T, _F32(cap), out=S)
-                S3 = S.reshape(n, g, -1)
-                ii = np.arange(i0, i1)
-                diag = ii[:, None] + off - jj[None, :]                    # (n, bk): i + off - j
+                if softcap > 0:
+                    T = np.tanh(S * _F32(1.0 / softcap))
+                    S = np.multiply(T, _F32(softcap), out=S)
+                S_by_head = S.reshape(tile_rows, group, -1)
+                query_index = np.arange(row_start, row_end)
+                # (tile_rows, block_k): i + diagonal_offset - j
+                diag = query_index[:, None] + diagonal_offset - key_index[None, :]
                 if slopes is not None:
-                    S3 -= slopes * np.abs(diag).astype(_F32)[:, None, :]
-                S3 -= L[i0:i1, :, None]
+                    S_by_head -= slopes * np.abs(diag).astype(_F32)[:, None, :]
+                S_by_head -= lse_rows[row_start:row_end, :, None]
                 P = np.exp(S, out=S)
                 # does every row of the tile see every key of the block?
-                full = (left < 0 or j0 >= i1 - 1 + off - left) and (right < 0 or j1 - 1 <= i0 + off + right)
+                full = ((left < 0 or key_start >= row_end - 1 + diagonal_offset - left)
+                        and (right < 0 or key_end - 1 <= row_start + diagonal_offset + right))
                 hidden = None
                 if not full:
                     hidden = np.zeros(diag.shape, bool)
@@ -139,28 +143,28 @@ def _task(b, hk, g, q4, k4, v4, do4, o4, lse3, dq4, dk4, dv4, alibi, opt):
                         hidden |= diag > left
                     if right >= 0:
                         hidden |= diag < -right
-                    hidden = hidden[:, None, :]                            # (n, 1, bk)
-                    np.copyto(S3, _F32(0), where=hidden)                  # S3 is a view of P
-                dV += P.T @ dOb
-                dP = dOb @ V.T
-                dP -= Di[i0:i1].reshape(rows, 1)
+                    hidden = hidden[:, None, :]                            # (tile_rows, 1, block_k)
+                    np.copyto(S_by_head, _F32(0), where=hidden)           # S_by_head is a view of P
+                dV += P.T @ dO_tile
+                dP = dO_tile @ V.T
+                dP -= dout_dot_out[row_start:row_end].reshape(tile_items, 1)
                 dS = np.multiply(P, dP, out=dP)
                 if T is not None:
                     T *= T
                     np.subtract(_F32(1), T, out=T)
                     dS *= T
                 if hidden is not None:  # exactly nothing from invisible keys, even where dP is NaN/inf
-                    np.copyto(dS.reshape(n, g, -1), _F32(0), where=hidden)
-                dQ[i0:i1] += (dS @ K).reshape(n, g, D)
-                dK += dS.T @ Qb
+                    np.copyto(dS.reshape(tile_rows, group, -1), _F32(0), where=hidden)
+                dQ[row_start:row_end] += (dS @ K).reshape(tile_rows, group, D)
+                dK += dS.T @ Q_tile
             dK *= _F32(scale)
-            dk4[b, hk, j0:j1] = dK.astype(dtype)
-            dv4[b, hk, j0:j1] = dV.astype(dtype)
+            dk4[b, kv_head, key_start:key_end] = dK.astype(dtype)
+            dv4[b, kv_head, key_start:key_end] = dV.astype(dtype)
     else:
-        dk4[b, hk] = 0
-        dv4[b, hk] = 0
+        dk4[b, kv_head] = 0
+        dv4[b, kv_head] = 0
     dQ *= _F32(scale)
-    dq4[b, h0:h0 + g] = dQ.transpose(1, 0, 2).astype(dtype)
+    dq4[b, first_head:first_head + group] = dQ.transpose(1, 0, 2).astype(dtype)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
@@ -214,9 +218,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         raise TypeError(f"lse: dtype {lse.dtype} is not supported; expected float32")
     if lse.shape != lse_shape:
         raise ValueError(f"lse: expected shape {lse_shape}, got {lse.shape}")
-    opt = _Options(D, causal, scale, window, softcap, Nq, Nk)
+    options = _Options(D, causal, scale, window, softcap, Nq, Nk)
     alibi = _alibi(alibi_slopes, B, Hq)
-    nt = _threads(num_threads)
+    threads = _threads(num_threads)
 
     dq = np.empty(q.shape, q.dtype)
     dk = np.empty(k.shape, q.dtype)
@@ -229,18 +233,18 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         lift = (None,) * (4 - rank)
         do4, o4, dq4, dk4, dv4 = (a[lift] for a in (dout, out, dq, dk, dv))
         lse3 = lse[(None,) * (3 - lse.ndim)]
-    g = Hq // Hk
-    if g == 0:  # no query heads: nothing depends on k, v
+    group = Hq // Hk
+    if group == 0:  # no query heads: nothing depends on k, v
         dk[...] = 0
         dv[...] = 0
         return dq, dk, dv
-    args = (g, q4, k4, v4, do4, o4, lse3, dq4, dk4, dv4, alibi, opt)
+    args = (group, q4, k4, v4, do4, o4, lse3, dq4, dk4, dv4, alibi, options)
     tasks = [(b, hk) for b in range(B) for hk in range(Hk)]
     # A thread pool costs ~ms to start, BLAS threads on tiny matmuls only add wake-up latency:
     # small problems run on the calling thread alone.
     small = B * Hq * Nq * Nk * (D + Dv) < _PARALLEL_MIN_WORK
-    workers = 1 if small else min(nt, len(tasks))
-    with _BlasLimit(1 if small else max(1, nt // workers)):
+    workers = 1 if small else min(threads, len(tasks))
+    with _BlasLimit(1 if small else max(1, threads // workers)):
         if workers <= 1:
             for b, hk in tasks:
                 _task(b, hk, *args)
@@ -264,22 +268,13 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     the forward). Returns new ``(dq, dk, dv)`` in the input dtype; rows of a sequence without keys
     (and keys of a sequence without queries) get zero gradients.
     """
-    q = _data("q", q); k = _data("k", k); v = _data("v", v)
-    dout = _data("dout", dout); out = _data("out", out); lse = _data("lse", lse)
-    _dtype_code("q", q)
-    _same_dtype("q", q, k=k, v=v, dout=dout, out=out)
-    for name, a in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
-        if a.ndim != 3:
-            raise ValueError(f"{name}: expected a 3-D (total, H, D) array, got shape {a.shape}")
-    Tq, Hq, _ = q.shape
-    Tk = k.shape[0]
-    _match("dout", dout, (Tq, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
-    _match("out", out, (Tq, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
-    _match("lse", lse, (Hq, Tq), np.float32, "float32")
-    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, Tq)
-    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k, Tk)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_k: shape {cu_k.shape} does not match cu_seqlens_q's shape {cu_q.shape}")
+    q, k, v, dout, out = _packed(q=q, k=k, v=v, dout=dout, out=out)
+    lse = _data("lse", lse)
+    total_q, Hq, _ = q.shape
+    _match("dout", dout, (total_q, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
+    _match("out", out, (total_q, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
+    _match("lse", lse, (Hq, total_q), np.float32, "float32")
+    cu_q, cu_k = _cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0])
     del max_seqlen_q, max_seqlen_k  # bounds for the forward's planning; the loop needs none
     slopes = None
     if alibi_slopes is not None:

@@ -1,13 +1,18 @@
-"""Shared test machinery: the ISA fixture, the one tolerance table, input helpers.
+"""Shared test machinery: the ISA fixture, the one tolerance table, input helpers, subprocess runners.
 
 Test modules import helpers with ``from conftest import ...`` (pytest puts this folder on
 sys.path, the default "prepend" import mode).
 """
 
 import importlib.util
+import json
 import os
 import pathlib
 import re
+import subprocess
+import sys
+import tempfile
+import textwrap
 
 import ml_dtypes
 import numpy as np
@@ -15,6 +20,42 @@ import pytest
 import threadpoolctl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_python(code, *argv, env=None, cwd=None, timeout=120):
+    """Runs ``code`` (dedented) in a fresh interpreter with ``argv``; ``env`` entries are added to
+    os.environ (a None value removes the variable); cwd defaults to the temp dir (outside the source
+    tree, so the installed package is imported). Returns the CompletedProcess; a hang fails through
+    the timeout."""
+    full_env = dict(os.environ)
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *map(str, argv)], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=cwd or tempfile.gettempdir())
+
+
+# Prelude of a peak-memory script: hwm_kib() is the process's peak resident set (VmHWM) so far.
+_PEAK_MEMORY_PRELUDE = """
+import json, sys
+import numpy as np
+import fa2cpu
+
+def hwm_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+"""
+
+
+def peak_memory_script(body, *argv, timeout=300):
+    """Runs ``body`` after _PEAK_MEMORY_PRELUDE in a fresh interpreter (so the peak is this call's
+    alone); ``body`` prints one JSON object on its last line, which is returned."""
+    res = run_python(_PEAK_MEMORY_PRELUDE + textwrap.dedent(body), *argv, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def _load_reference():

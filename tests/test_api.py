@@ -3,18 +3,14 @@ and the public signatures fixed by API.md."""
 
 import inspect
 import os
-import pathlib
 import re
-import subprocess
-import tempfile
-import sys
 
 import numpy as np
 import pytest
 
 import fa2cpu
+from conftest import run_python
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCABULARY = ["amx", "avx512bf16", "avx512", "avx2", "generic"]
 
 
@@ -54,11 +50,7 @@ def test_set_isa_each_family_and_restore():
 
 
 def _child(code, **env):
-    e = dict(os.environ)
-    e.pop("FA2CPU_ISA", None)
-    e.update(env)
-    res = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=e, capture_output=True, text=True,
-                         timeout=120)
+    res = run_python(code, env={"FA2CPU_ISA": None, **env})
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout.strip()
 

@@ -7,21 +7,13 @@ break the tilings (also with tiny tiles forced), every option, GQA/MQA, layouts 
 dtypes (TOL table of conftest), empty rows, NaN isolation, threads, memory and errors.
 """
 
-import json
-import pathlib
-import subprocess
-import tempfile
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
 import fa2cpu
 import fa2cpu.backward as bw
-from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, rand, ref
+from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, peak_memory_script, rand, ref
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 bwd_ref = ref.attention_backward_ref
 
 
@@ -371,16 +363,7 @@ def test_concurrent_calls(rng, monkeypatch):
                 check_same(a, b, "float32", ulps=4)
 
 
-MEMORY_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import fa2cpu
-
-    def hwm_kib():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-
+MEMORY_SCRIPT = """
     n, d = int(sys.argv[1]), int(sys.argv[2])
     rng = np.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(4))
@@ -391,15 +374,12 @@ MEMORY_SCRIPT = textwrap.dedent("""
     base = hwm_kib()
     dq, dk, dv = fa2cpu.flash_attention_backward(do, q, k, v, out, lse, causal=True)
     print(json.dumps({"extra_mib": (hwm_kib() - base) / 1024, "finite": bool(np.isfinite(dq).all())}))
-""")
+"""
 
 
 def test_memory_is_not_quadratic():
     """8192 x 8192: the score matrix alone would be 256 MiB; the backward stays far below."""
-    res = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, "8192", "64"], cwd=tempfile.gettempdir(),
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = json.loads(res.stdout.strip().splitlines()[-1])
+    info = peak_memory_script(MEMORY_SCRIPT, 8192, 64)
     assert info["finite"]
     assert info["extra_mib"] < 48, info
 

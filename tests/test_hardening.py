@@ -9,23 +9,19 @@ import pathlib
 import shutil
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 import fa2cpu
-from conftest import REPO, arg, check_close, check_same, rand, ref
+from conftest import REPO, arg, check_close, check_same, rand, ref, run_python
 
 NAN_ROW = 3  # the query row that carries a NaN in the NaN tests
 
 
 def run_py(code, timeout=120, env=None, cwd=None):
-    """Runs `code` in a fresh interpreter (outside the source tree, so the installed package is
-    imported); returns the CompletedProcess. A hang fails through the timeout."""
-    full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd or pathlib.Path(fa2cpu.__file__).parents[2])
+    """run_python from the folder above the package's checkout (the installed package is imported)."""
+    return run_python(code, env=env, cwd=cwd or pathlib.Path(fa2cpu.__file__).parents[2], timeout=timeout)
 
 
 def assert_ok(proc):

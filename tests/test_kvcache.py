@@ -415,3 +415,60 @@ def test_pytorch_order_cache_without_layout_mentions_layout():
         fa2cpu.flash_attention_with_kvcache(q, rand(rng, (1, 2, 64, 8)), rand(rng, (1, 2, 64, 8)))
     with pytest.raises(ValueError, match=arg("layout")):
         fa2cpu.flash_attention_with_kvcache(q, rand(rng, (1, 64, 2, 8)), rand(rng, (1, 64, 2, 8)), layout="bnhd")
+
+
+# ------------------------------------------------------------------------------ lean validator
+
+def _same_problem_field(name, lean, full):
+    if isinstance(full, np.ndarray):
+        assert isinstance(lean, np.ndarray), name
+        assert lean.shape == full.shape and lean.dtype == full.dtype, name
+        if name in ("q", "k", "v"):  # views of the caller's arrays: the same memory, the same strides
+            assert lean.strides == full.strides and lean.ctypes.data == full.ctypes.data, name
+        elif name != "out":  # out: each call allocated its own
+            assert np.array_equal(lean, full), name
+    else:
+        assert lean == full and type(lean) is type(full), (name, lean, full)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("case", ["int", "array", "append", "options", "out"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_lean_validator_matches_full_checks(layout, paged, case, batch):
+    """The decode path's lean validator (also fa2cpu.torch's) takes the common case and describes
+    exactly the launch and append the full checks describe."""
+    from fa2cpu._validate import kvcache_problem, kvcache_problem_lean
+    rng = np.random.default_rng(0)
+    Hq, Hk, D, Dv, cap, Nq = 4, 2, 16, 8, 64, 2
+    kc, vc, table = make_cache(rng, batch, cap, Hk, D, Dv, "float32", block_size=16 if paged else None)
+    q = rand(rng, (batch, Nq, Hq, D), "float32")
+    k = v = out = None
+    seqlens = 40 if case != "array" else np.array([40, 3, 17][:batch], np.int32)
+    options = dict(causal=False, scale=None, window=(-1, -1), softcap=None)
+    if case == "append":
+        k, v = rand(rng, (batch, 3, Hk, D), "float32"), rand(rng, (batch, 3, Hk, Dv), "float32")
+    elif case == "options":
+        options = dict(causal=True, scale=0.3, window=(5, 1000), softcap=20.0)
+    elif case == "out":
+        out = np.empty((batch, Nq, Hq, Dv), np.float32)
+    if layout == "bhsd":
+        swap = (lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
+        q, kc, vc, k, v, out = map(swap, (q, kc, vc, k, v, out))
+    args = (q, kc, vc, k, v, seqlens, table, options["causal"], options["scale"], options["window"],
+            options["softcap"])
+    tail = (0, 1, out, layout)
+    lean = kvcache_problem_lean(*args, *tail)
+    assert lean is not None, "the common case left the lean path"
+    full = kvcache_problem(*args, None, *tail)
+    for field, lean_value, full_value in zip(full[0]._fields, lean[0], full[0]):
+        _same_problem_field(field, lean_value, full_value)
+    assert lean[1].shape == full[1].shape and (out is None or lean[1] is out and full[1] is out)
+    assert (lean[2] is None) == (full[2] is None)
+    if full[2] is not None:
+        for field, lean_value, full_value in zip(full[2]._fields, lean[2], full[2]):
+            if field == "start":
+                assert np.array_equal(lean_value, full_value)
+            else:
+                assert lean_value.shape == full_value.shape and lean_value.strides == full_value.strides
+                assert lean_value.ctypes.data == full_value.ctypes.data, field

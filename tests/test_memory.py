@@ -6,28 +6,13 @@ the baseline peak RSS (VmHWM) is read, then the growth of the peak during the bi
 extra memory the call needed (output included).
 """
 
-import json
-import pathlib
-import subprocess
-import tempfile
-import sys
-import textwrap
-
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from conftest import peak_memory_script
+
 LIMIT_MIB = 256
 
-SCRIPT = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import fa2cpu
-
-    def hwm_kib():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-
+SCRIPT = """
     n, d, causal, mask_kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 1, n, d), dtype=np.float32) for _ in range(3))
@@ -45,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     peak = hwm_kib()
     ok = bool(np.isfinite(out).all())
     print(json.dumps({"extra_mib": (peak - base) / 1024, "finite": ok}))
-""")
+"""
 
 
 @pytest.mark.parametrize("n,d,causal,mask", [
@@ -56,9 +41,6 @@ SCRIPT = textwrap.dedent("""
     (16384, 64, False, "float64"),  # converting the broadcast view to float32: 1 GiB
 ], ids=["32k", "32k-causal", "16k-bool-mask", "16k-float-mask", "16k-float64-mask"])
 def test_peak_memory(n, d, causal, mask):
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(n), str(d), "1" if causal else "0", mask],
-                         cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    info = json.loads(res.stdout.strip().splitlines()[-1])
+    info = peak_memory_script(SCRIPT, n, d, "1" if causal else "0", mask)
     assert info["finite"]
     assert info["extra_mib"] < LIMIT_MIB, f"peak grew by {info['extra_mib']:.0f} MiB"

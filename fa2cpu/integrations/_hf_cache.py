@@ -1,0 +1,386 @@
+"""The preallocated KV cache of fa2cpu's transformers integration (:class:`KVCache`): each layer's
+``update`` hands the new keys/values to the attention function, which appends them in place and
+attends in one ``flash_attention_with_kvcache`` call. Design notes: fa2cpu/integrations/transformers.py.
+"""
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+# The kernels as torch custom ops. Called as ``_ft.<name>`` at call time, so a spy on
+# ``fa2cpu.torch.flash_attention`` (tests) sees every call.
+from fa2cpu import torch as _ft
+from fa2cpu._torch_bridge import _FLOATS
+
+from ._hf_masks import _SPEC_ATTR, MaskSpec
+
+_PENDING_ATTR = "_fa2cpu_kvcache_layer"  # attribute of the key tensor KVCache.update returns
+_REGISTERED = set()                      # names given to register() (for KVCache's error message)
+
+
+class _KVLayer(CacheLayerMixin):
+    """One layer of :class:`KVCache`.
+
+    State: ``length`` = positions seen so far (transformers' positions, pads included);
+    ``offsets[b]`` = leading positions of sequence b not stored (dropped left padding), so
+    position t of sequence b is stored at cache row ``t - offsets[b]`` and the sequence holds
+    ``seqlens[b] = length - offsets[b]`` rows (int32, also the kernels' ``cache_seqlens``).
+    """
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, owner, k_cache, v_cache):
+        super().__init__()
+        self._owner = owner
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.keys, self.values = k_cache, v_cache  # (B, Ncap, Hk, D) / paged (blocks, block_size, Hk, D)
+        self.is_initialized = True
+        self.device = k_cache.device
+        n = owner.max_batch_size
+        self.offsets = np.zeros(n, np.int64)
+        self._seqlens = np.zeros(n, np.int32)
+        self._seqlens_t = torch.from_numpy(self._seqlens)  # shares memory with _seqlens
+        self.reset()
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    def reset(self):
+        self.length = 0
+        self._pending = None
+        self._set_batch(0)
+
+    def _set_batch(self, batch):
+        """Per-batch views, made once (the decode path only reads them)."""
+        if batch > self._owner.max_batch_size:
+            raise ValueError(f"KVCache: batch size {batch} exceeds max_batch_size {self._owner.max_batch_size}")
+        if batch != getattr(self, "batch", None) or self.length == 0:
+            self.offsets[batch:] = 0
+            self._seqlens[batch:] = 0
+        self.batch = batch
+        paged = self._owner.paged
+        self._views = (self.k_cache if paged else self.k_cache[:batch],
+                       self.v_cache if paged else self.v_cache[:batch],
+                       self._owner.block_table[:batch] if paged else None,
+                       self._seqlens_t[:batch], self._seqlens[:batch])
+        self._uniform = not self.offsets[:batch].any()  # every sequence holds `length` rows
+
+    @property
+    def seqlens(self):
+        return self._seqlens_t[:self.batch]
+
+    def lazy_initialization(self, key_states, value_states):
+        pass  # buffers are allocated up front
+
+    def get_mask_sizes(self, query_length):
+        return self.length + query_length, 0
+
+    def get_seq_length(self):
+        return self.length
+
+    def get_max_length(self):
+        return self._owner.max_cache_len
+
+    def crop(self, tokens_to_remove):
+        new_length = tokens_to_remove if tokens_to_remove >= 0 else max(0, self.length + tokens_to_remove)
+        if new_length >= self.length:
+            return
+        b = self.batch
+        self.offsets[:b] = np.minimum(self.offsets[:b], new_length)
+        self._seqlens[:b] = new_length - self.offsets[:b]
+        self.length = new_length
+        self._set_batch(b)
+
+    def reorder_cache(self, beam_idx):
+        self._permute(beam_idx)
+
+    def batch_select_indices(self, indices):
+        self._permute(indices)
+
+    def batch_repeat_interleave(self, repeats):
+        self._permute(torch.arange(self.batch).repeat_interleave(repeats))
+
+    def _permute(self, index):
+        """New sequence i = old sequence index[i] (beam search, batch selection/expansion)."""
+        index = torch.as_tensor(index).to("cpu", torch.int64)
+        if self.length == 0:
+            return
+        if index.numel() > self._owner.max_batch_size:
+            raise ValueError(f"KVCache: batch {index.numel()} exceeds max_batch_size {self._owner.max_batch_size}")
+        idx = index.numpy()
+        lens = self._seqlens[idx].copy()
+        offsets = self.offsets[idx].copy()
+        top = int(lens.max()) if lens.size else 0
+        ks, vs = self._gather(index, top), self._gather(index, top, values=True)
+        b = index.numel()
+        self._owner._allocate(b, lens)
+        self._scatter(ks, vs, 0, torch.arange(b))
+        self.offsets[:b], self._seqlens[:b] = offsets, lens
+        self._set_batch(b)
+
+    # --- storage access (contiguous or paged) -------------------------------------------------
+    def _slots(self, rows, start, stop):
+        """Index into the buffers for positions [start, stop) of the given sequences: (B', n)."""
+        pos = torch.arange(start, stop)
+        if not self._owner.paged:
+            return rows[:, None], pos[None, :]
+        bs = self._owner.block_size
+        return self._owner.block_table[rows[:, None], pos[None, :] // bs].long(), (pos % bs)[None, :]
+
+    def _gather(self, rows, n, values=False):
+        buf = self.v_cache if values else self.k_cache
+        if not self._owner.paged:
+            return buf[rows, :n]  # advanced indexing: a copy
+        return buf[self._slots(rows, 0, n)]
+
+    def _scatter(self, ks, vs, start, rows):
+        n = ks.shape[1]
+        if not self._owner.paged:
+            self.k_cache[rows, start:start + n] = ks
+            self.v_cache[rows, start:start + n] = vs
+        else:
+            idx = self._slots(rows, start, start + n)
+            self.k_cache[idx] = ks
+            self.v_cache[idx] = vs
+
+    # --- transformers API ---------------------------------------------------------------------
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Hands the new keys/values (B, Hk, N, D) to the attention function, which appends them
+        in place; nothing is copied here."""
+        if self._pending is not None:
+            self._pending = None
+            raise RuntimeError(
+                "KVCache: the keys/values of the previous forward were never stored. KVCache only works with an "
+                "attention implementation registered by fa2cpu.integrations.transformers.register() "
+                f"(registered: {sorted(_REGISTERED) or 'none'}).")
+        k_cache = self.k_cache
+        if key_states.dtype != k_cache.dtype:
+            raise TypeError(f"KVCache: the model computes keys in {key_states.dtype} but the cache holds "
+                            f"{k_cache.dtype}; create it with dtype={key_states.dtype}")
+        if (key_states.shape[1] != k_cache.shape[2] or key_states.shape[3] != k_cache.shape[3]
+                or value_states.shape[3] != self.v_cache.shape[3]):
+            raise ValueError(f"KVCache: keys of shape {tuple(key_states.shape)} (B, Hk, N, D) do not fit the cache "
+                             f"built for Hk={k_cache.shape[2]}, D={k_cache.shape[3]}")
+        self._pending = (key_states, value_states)
+        setattr(key_states, _PENDING_ATTR, self)
+        return key_states, value_states
+
+    # --- attention ----------------------------------------------------------------------------
+    def _padding_plan(self, spec, row):
+        """-> ("append", None) | ("compact", leading_pads) | ("general", None), from the whole
+        padding row (not just the visible part: dropped pads must stay masked everywhere)."""
+        if spec is None:  # no mask at all: every position is a real token
+            return _APPEND if self._uniform else _GENERAL
+        memo_key = (self.length, None if self._uniform else self.offsets[:self.batch].tobytes())
+        plan = spec.memo.get(memo_key)
+        if plan is not None:
+            return plan
+        B = self.batch
+        real = row[:, 0, 0, :]
+        pos = torch.arange(real.shape[1])[None, :]
+        if self.length == 0:
+            first = torch.where(real.any(dim=1), real.int().argmax(dim=1),
+                                torch.full((B,), real.shape[1], dtype=torch.long))
+            if not bool(first.any()):
+                plan = _APPEND if bool(real.all()) else _GENERAL
+            elif bool((real == (pos >= first[:, None])).all()):
+                plan = ("compact", first.numpy().astype(np.int64))
+            else:
+                plan = _GENERAL
+        else:
+            expect = pos >= torch.from_numpy(self.offsets[:B])[:, None]
+            plan = _APPEND if bool((real == expect).all()) else _GENERAL
+        spec.memo[memo_key] = plan
+        return plan
+
+    def _attend(self, module, query, attention_mask, scaling, softcap, is_causal):
+        k_new, v_new = self._pending
+        self._pending = None
+        B = query.shape[0]
+        n_new = k_new.shape[2]
+        if self.length == 0:
+            self.offsets[:] = 0
+            self._seqlens[:] = 0
+            self._set_batch(B)
+        elif B != self.batch:
+            raise ValueError(f"KVCache: batch size changed from {self.batch} to {B} without a reset()")
+        total = self.length + n_new
+        if total > self._owner.max_cache_len:
+            raise ValueError(f"KVCache: {self.length} cached + {n_new} new tokens exceed max_cache_len "
+                             f"{self._owner.max_cache_len}")
+        spec = getattr(attention_mask, _SPEC_ATTR, None)
+        dense = None
+        if spec is not None:
+            if spec.kv_length != total or spec.delta != self.length:
+                raise RuntimeError(f"KVCache: the mask expects {spec.kv_length} keys at offset {spec.delta}, "
+                                   f"the cache holds {self.length} + {n_new}")
+            lo, hi = spec.lo, spec.hi
+        elif attention_mask is None:
+            causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+            lo, hi = -1, (0 if causal else -1)
+        elif attention_mask.ndim == 2:  # a bare padding mask
+            causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+            attention_mask = attention_mask[:, -total:].to(torch.bool)[:, None, None, :]
+            spec = MaskSpec(-1, 0 if causal else -1, self.length, not bool(attention_mask.all()), query.shape[2], total)
+            lo, hi = spec.lo, spec.hi
+        else:
+            dense, lo, hi = attention_mask[..., :total], -1, -1
+        plan = _GENERAL if dense is not None else self._padding_plan(spec, attention_mask)
+        q = query.transpose(1, 2)
+        k_new_bshd, v_new_bshd = k_new.transpose(1, 2), v_new.transpose(1, 2)
+        k_cache, v_cache, table, seqlens_t, seqlens = self._views
+        paged = self._owner.paged
+        if plan is _APPEND:  # the decode path: append in place and attend, one call
+            if paged:
+                self._owner._allocate(B, seqlens + n_new)
+            out = _ft.flash_attention_with_kvcache(
+                q, k_cache, v_cache, k_new_bshd, v_new_bshd,
+                cache_seqlens=self.length if self._uniform else seqlens_t, block_table=table,
+                scale=scaling, window=(lo, hi), softcap=softcap)
+            seqlens += n_new
+        elif plan[0] == "compact":  # left-padded prompt: store each sequence's real tokens only
+            pads = plan[1]
+            lens = n_new - pads
+            self._owner._allocate(B, lens)
+            for b in range(B):
+                if lens[b]:
+                    self._scatter(k_new_bshd[b:b + 1, pads[b]:], v_new_bshd[b:b + 1, pads[b]:], 0, torch.tensor([b]))
+            self.offsets[:B], seqlens[:] = pads, lens
+            self._set_batch(B)
+            out = _ft.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens_t, block_table=table,
+                                                   scale=scaling, window=(lo, hi), softcap=softcap)
+        else:
+            out = self._attend_general(q, k_new_bshd, v_new_bshd, attention_mask, spec, dense, lo, hi, scaling, softcap)
+        self.length = total
+        return out
+
+    def _to_positions(self, row):
+        """Store sequences at transformers' positions again (undo dropped left padding)."""
+        B = self.batch
+        if self._uniform:
+            return
+        if row is not None:
+            real = row[:, 0, 0, :]
+            for b in range(B):
+                if self.offsets[b] and bool(real[b, :self.offsets[b]].any()):
+                    raise RuntimeError("KVCache: the attention mask now lets queries see left-padding tokens that "
+                                       "were dropped when the prompt was stored")
+        rows = torch.arange(B)
+        lens = self._seqlens[:B].copy()
+        top = int(lens.max())
+        ks, vs = self._gather(rows, top), self._gather(rows, top, values=True)
+        self._owner._allocate(B, lens + self.offsets[:B])
+        for b in range(B):
+            off, n = int(self.offsets[b]), int(lens[b])
+            if n:
+                self._scatter(ks[b:b + 1, :n], vs[b:b + 1, :n], off, torch.tensor([b]))
+            if off:
+                self._scatter(torch.zeros((1, off) + ks.shape[2:], dtype=ks.dtype),
+                              torch.zeros((1, off) + vs.shape[2:], dtype=vs.dtype), 0, torch.tensor([b]))
+        self._seqlens[:B] = lens + self.offsets[:B]
+        self.offsets[:B] = 0
+        self._set_batch(B)
+
+    def _attend_general(self, q, k_new_bshd, v_new_bshd, row, spec, dense, lo, hi, scaling, softcap):
+        """Any padding pattern or a dense mask: sequences stored at transformers' positions, new
+        tokens written in place, then attention over [0, length + N) with the padding row (or the
+        dense mask)."""
+        B, n_new = k_new_bshd.shape[0], k_new_bshd.shape[1]
+        self._to_positions(row if spec is not None else None)
+        total = self.length + n_new
+        rows = torch.arange(B)
+        self._owner._allocate(B, np.full(B, total))
+        self._scatter(k_new_bshd, v_new_bshd, self.length, rows)
+        if self._owner.paged:
+            keys, values = self._gather(rows, total), self._gather(rows, total, values=True)
+        else:
+            keys, values = self.k_cache[:B, :total], self.v_cache[:B, :total]
+        self._seqlens[:B] = total
+        if dense is not None:
+            mask, window = dense, (-1, -1)
+        else:
+            mask, window = (row if spec is not None and spec.has_padding else None), (lo, hi)
+        return _ft.flash_attention(q, keys, values, scale=scaling, window=window, softcap=softcap,
+                                   mask=mask, layout="bshd")
+
+
+_APPEND, _GENERAL = ("append", None), ("general", None)
+
+
+class KVCache(Cache):
+    """A transformers ``Cache`` over preallocated buffers, filled in place by fa2cpu's kernels.
+
+    Parameters
+    ----------
+    config : PreTrainedConfig
+        The model's config (its text/decoder config is used): layers, KV heads, head dim.
+    max_batch_size, max_cache_len : int
+        Capacity: sequences and positions (prompt + generated tokens, pads included).
+    dtype : torch.dtype, optional
+        float32, float16 or bfloat16; default: the config's dtype, else float32. Must be the
+        dtype the model computes keys in.
+    paged : bool
+        Store K/V in blocks of ``block_size`` positions handed out on demand from a shared pool
+        (``num_blocks``, default: enough for every sequence at full length) through a block
+        table, as in vLLM; else one ``(max_batch_size, max_cache_len, Hk, D)`` buffer per layer.
+
+    Buffers never move: ``layers[i].k_cache`` / ``v_cache`` keep their storage across steps.
+    Works only with ``attn_implementation`` set to a name registered by :func:`register`.
+    """
+
+    def __init__(self, config, max_batch_size, max_cache_len, dtype=None, *, paged=False, block_size=16,
+                 num_blocks=None, device="cpu"):
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if dtype is None:
+            dtype = getattr(cfg, "dtype", None) or torch.float32
+            if isinstance(dtype, str):
+                dtype = getattr(torch, dtype)
+        if dtype not in _FLOATS:
+            raise TypeError(f"dtype: {dtype} is not supported; expected torch.float32, float16 or bfloat16")
+        if int(max_batch_size) < 1 or int(max_cache_len) < 1:
+            raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got {max_batch_size}, {max_cache_len}")
+        self.max_batch_size, self.max_cache_len = int(max_batch_size), int(max_cache_len)
+        self.dtype, self.paged, self.block_size = dtype, bool(paged), int(block_size)
+        n_layers = cfg.num_hidden_layers
+        hq = cfg.num_attention_heads
+        hk = getattr(cfg, "num_key_value_heads", None) or hq
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+        dv = getattr(cfg, "v_head_dim", None) or d
+        if self.paged:
+            if self.block_size < 1:
+                raise ValueError(f"block_size must be >= 1, got {block_size}")
+            per_seq = -(-self.max_cache_len // self.block_size)
+            self.num_blocks = int(num_blocks) if num_blocks is not None else self.max_batch_size * per_seq
+            shape_k = (self.num_blocks, self.block_size, hk, d)
+            shape_v = (self.num_blocks, self.block_size, hk, dv)
+            self.block_table = torch.zeros((self.max_batch_size, per_seq), dtype=torch.int32)
+            self._nalloc = np.zeros(self.max_batch_size, np.int64)  # blocks owned per sequence
+            self._free = list(range(self.num_blocks - 1, -1, -1))
+        else:
+            shape_k = (self.max_batch_size, self.max_cache_len, hk, d)
+            shape_v = (self.max_batch_size, self.max_cache_len, hk, dv)
+        layers = [_KVLayer(self, torch.zeros(shape_k, dtype=dtype, device=device),
+                           torch.zeros(shape_v, dtype=dtype, device=device)) for _ in range(n_layers)]
+        super().__init__(layers=layers)
+
+    def _allocate(self, batch, lengths):
+        """Paged: make sure sequence b owns blocks for lengths[b] positions (idempotent)."""
+        if not self.paged:
+            return
+        need = -(-np.asarray(lengths, np.int64) // self.block_size)
+        for b in range(batch):
+            while self._nalloc[b] < need[b]:
+                if not self._free:
+                    raise RuntimeError(f"KVCache: out of blocks ({self.num_blocks} of {self.block_size} positions)")
+                self.block_table[b, self._nalloc[b]] = self._free.pop()
+                self._nalloc[b] += 1
+
+    def reset(self):
+        super().reset()
+        if self.paged:
+            self.block_table.zero_()
+            self._nalloc[:] = 0
+            self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    def seqlens(self, layer_idx=0):
+        """Tokens stored per sequence (int32, left padding excluded)."""
+        return self.layers[layer_idx].seqlens.clone()
+
