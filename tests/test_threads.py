@@ -25,9 +25,13 @@ def test_thread_count_does_not_change_results(isa, rng, dtype, case):
     q, k, v = qkv(rng, 2, Hq, Hk, Nq, Nk, 64, dtype=dtype)
     results = {n: fa2cpu.flash_attention(q, k, v, causal=causal, num_threads=n, return_lse=True)
                for n in (1, 2, 3, 8)}
+    # With more threads than items the key axis may be split (flash-decoding): partial outputs
+    # normalised to different maxima are merged, so the answer may move by a few ulps of V's scale
+    # (|v| ~ 1 here), more than check_same's default 2 ulps of a small output (seen: 2.8e-7 at
+    # |out| = 0.09 on 3 threads of a 16-core machine; a 2-core one caps the count at 2, no split).
     for n in (2, 3, 8):
-        check_same(results[n][0], results[1][0], dtype, what=f"{n} threads")
-        check_same(results[n][1], results[1][1], "float32", what=f"lse {n} threads")
+        check_same(results[n][0], results[1][0], dtype, ulps=8, what=f"{n} threads")
+        check_same(results[n][1], results[1][1], "float32", ulps=8, what=f"lse {n} threads")
     r_out, r_lse = ref.attention_ref(q, k, v, causal=causal)
     check_close(results[1][0], r_out, dtype)
     check_close(results[1][1], r_lse, dtype, "lse")
