@@ -7,7 +7,7 @@ import numpy as np
 from libc.stdint cimport int32_t, int64_t
 from openmp cimport omp_get_max_threads
 
-from fa2cpu._cpp cimport Params
+from fa2cpu._cpp cimport BackwardParams, Params
 from fa2cpu cimport _cpp as c
 
 cnp.import_array()
@@ -41,22 +41,14 @@ cdef cnp.ndarray _element_strided(cnp.ndarray a):
     return a
 
 
-def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse, *,
-        int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
-        double scale, double softcap, int64_t win_left, int64_t win_right,
-        object alibi, object mask, int mask_kind,
-        object cu_q, object cu_k, object seqlen_k, object block_table, int64_t block_size,
-        int num_threads, int num_splits):
-    """q, k, v, out: 4-D views in (batch, head, position, feature) order (varlen/paged views
-    described in csrc/include/fa2cpu/fa2cpu.h); lse: float32 3-D (batch, head, row) view or None;
-    alibi: float32 2-D (batch, head) view or None; mask: 4-D uint8/float32 view or None;
-    cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None."""
-    cdef Params p
+cdef void _fill(Params* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
+                int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
+                double scale, double softcap, int64_t win_left, int64_t win_right,
+                object alibi, object cu_q, object cu_k, int num_threads) except *:
+    """The Params fields shared by the forward and the backward (q, k, v, out element-strided:
+    _element_strided applied by the caller)."""
     cdef int64_t s[4]
     cdef cnp.ndarray a
-    q = _element_strided(q)
-    k = _element_strided(k)
-    v = _element_strided(v)
     p.dtype = dtype
     p.batch = batch
     p.hq = hq
@@ -92,12 +84,6 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         p.alibi_head_stride = cnp.PyArray_STRIDES(a)[1] // 4
     p.mask = NULL
     p.mask_kind = 0
-    if mask is not None:
-        a = mask
-        p.mask = cnp.PyArray_DATA(a)
-        p.mask_kind = mask_kind
-        _strides4(a, s)
-        p.mask_batch_stride, p.mask_head_stride, p.mask_query_stride, p.mask_key_stride = s[0], s[1], s[2], s[3]
     p.cu_seqlens_q = NULL
     p.cu_seqlens_k = NULL
     p.seqlen_k = NULL
@@ -108,6 +94,33 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     if cu_k is not None:
         a = cu_k
         p.cu_seqlens_k = <const int64_t*>cnp.PyArray_DATA(a)
+    p.num_threads = num_threads
+
+
+def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse, *,
+        int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
+        double scale, double softcap, int64_t win_left, int64_t win_right,
+        object alibi, object mask, int mask_kind,
+        object cu_q, object cu_k, object seqlen_k, object block_table, int64_t block_size,
+        int num_threads, int num_splits):
+    """q, k, v, out: 4-D views in (batch, head, position, feature) order (varlen/paged views
+    described in csrc/include/fa2cpu/fa2cpu.h); lse: float32 3-D (batch, head, row) view or None;
+    alibi: float32 2-D (batch, head) view or None; mask: 4-D uint8/float32 view or None;
+    cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None."""
+    cdef Params p
+    cdef int64_t s[4]
+    cdef cnp.ndarray a
+    q = _element_strided(q)  # kept alive here: p points into them until the call returns
+    k = _element_strided(k)
+    v = _element_strided(v)
+    _fill(&p, q, k, v, out, lse, dtype, batch, hq, hk, nq, nk, scale, softcap, win_left, win_right, alibi,
+          cu_q, cu_k, num_threads)
+    if mask is not None:
+        a = mask
+        p.mask = cnp.PyArray_DATA(a)
+        p.mask_kind = mask_kind
+        _strides4(a, s)
+        p.mask_batch_stride, p.mask_head_stride, p.mask_query_stride, p.mask_key_stride = s[0], s[1], s[2], s[3]
     if seqlen_k is not None:
         a = seqlen_k
         p.seqlen_k = <const int64_t*>cnp.PyArray_DATA(a)
@@ -116,7 +129,6 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         p.block_table = <const int32_t*>cnp.PyArray_DATA(a)
         p.block_table_batch_stride = cnp.PyArray_STRIDES(a)[0] // 4
         p.block_size = block_size
-    p.num_threads = num_threads
     p.num_splits = num_splits
     cdef int rc
     with nogil:
@@ -124,6 +136,42 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     if rc != 0:
         raise MemoryError("fa2cpu: could not allocate per-thread scratch memory")
     return out
+
+
+def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                 cnp.ndarray lse, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, *,
+                 int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
+                 double scale, double softcap, int64_t win_left, int64_t win_right,
+                 object alibi, object cu_q, object cu_k, int num_threads):
+    """Gradients of the forward call these arguments describe (same meaning as run's), written
+    into dq, dk, dv: 4-D (batch, head, position, feature) views laid out like q, k, v (dout like
+    out), element-strided, of q's dtype. lse: float32 3-D (batch, head, row) view as the forward
+    returned it."""
+    cdef BackwardParams p
+    cdef int64_t s[4]
+    for name, a in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if _element_strided(a) is not a:
+            raise ValueError(f"{name}: must be element-strided and aligned")
+    dout = _element_strided(dout)  # kept alive here: p points into them until the call returns
+    q = _element_strided(q)
+    k = _element_strided(k)
+    v = _element_strided(v)
+    out = _element_strided(out)
+    _fill(&p.f, q, k, v, out, lse, dtype, batch, hq, hk, nq, nk, scale, softcap, win_left, win_right, alibi,
+          cu_q, cu_k, num_threads)
+    p.dout = cnp.PyArray_DATA(dout); _strides4(dout, s)
+    p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride, p.dout_dim_stride = s[0], s[1], s[2], s[3]
+    p.dq = cnp.PyArray_DATA(dq); _strides4(dq, s)
+    p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, p.dq_dim_stride = s[0], s[1], s[2], s[3]
+    p.dk = cnp.PyArray_DATA(dk); _strides4(dk, s)
+    p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, p.dk_dim_stride = s[0], s[1], s[2], s[3]
+    p.dv = cnp.PyArray_DATA(dv); _strides4(dv, s)
+    p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, p.dv_dim_stride = s[0], s[1], s[2], s[3]
+    cdef int rc
+    with nogil:
+        rc = c.backward(p)
+    if rc != 0:
+        raise MemoryError("fa2cpu: could not allocate the backward's scratch memory")
 
 
 def max_threads():
