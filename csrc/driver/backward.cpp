@@ -41,7 +41,7 @@ struct Plan {
     std::vector<BackwardItem> split_items;
     std::vector<DqGroup> groups;
     int64_t part_floats = 0;
-    int64_t max_rows = 0;
+    int64_t max_keys = 0;  // keys of the longest item (sizes the per-thread scratch)
 };
 
 // Query positions [i0, i1) of a sequence (nq x nk) that see at least one key of [kb, ke).
@@ -84,7 +84,7 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
                     plan.part_floats += rows * p.d;
                     plan.split_items.push_back(it);
                 }
-                plan.max_rows = std::max(plan.max_rows, rows);
+                plan.max_keys = std::max(plan.max_keys, it.ke - it.kb);
                 plan.items.push_back(it);
                 // rows x keys is the tile work; the constant is the per-item overhead (packing).
                 cost.push_back(double(rows) * double(it.ke - it.kb + 64) + double(it.ke - it.kb));
@@ -184,7 +184,7 @@ int backward(const BackwardParams& bp) {
     ctx.K = &K;
     ctx.plan = &plan;
     ctx.part = part;
-    ctx.scratch_floats = K.scratch_floats(bp, plan.max_rows);
+    ctx.scratch_floats = K.scratch_floats(bp, plan.max_keys);
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
     if (!ctx.failed.load()) parallel_for(int64_t(plan.groups.size()), threads, &reduce_on_thread, &ctx);
     std::free(part);

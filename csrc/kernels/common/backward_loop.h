@@ -4,10 +4,9 @@
 // converted while packing; AMX / vdpbf16ps backward micro-kernels are a later step).
 //
 // Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
-// [kb, ke) of one kv head of one sequence and every query row (all heads of the GQA group x the
-// query positions that can see one of those keys). Key tiles are the outer loop, so dK and dV of
-// a tile accumulate in scratch over every row of the group and are written once: the GQA sum and
-// the key ownership need no synchronisation.
+// [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
+// heads of the GQA group x query positions [i0, i1)). dK and dV of its keys accumulate in scratch
+// over every row and are written once: the GQA sum and the key ownership need no synchronisation.
 //
 // dQ without atomics: each item accumulates dQ^T of its rows over its keys in scratch. When the
 // driver gives a (sequence, kv head) one item (every key), that item writes dq itself; otherwise
@@ -18,17 +17,25 @@
 // partials cost one float32 copy of dq per split (O(N*D)) and one streaming sum. Both orders are
 // fixed, so results are bit-identical for any thread count.
 //
-// Per item (scratch laid out by `layout`; M = rows rounded up to W, rows >= R are padding):
-//   qT  [D][M]    Q transposed (rows in lanes: S^T = K Q^T, as the forward's qk micro-kernel)
-//   qr  [M][ldq]  Q row-major, ldq = D rounded up to W, zero padded (dK += dS^T Q, features in lanes)
-//   doT [Dv][M]   dO transposed (dP^T = V dO^T)
-//   dor [M][ldo]  dO row-major, ldo = Dv rounded up to W (dV += P^T dO)
-//   dqT [D][M]    dQ^T accumulator (dQ^T += K^T dS^T, the forward's pv micro-kernel)
-//   lse2, delta, slope [M]: log2-domain LSE (+inf: the row contributes nothing), D_i =
-//         rowsum(dO o O), alibi slope * log2(e)
-//   first_key, last_key, diagonal [M] int64: visible keys of the row within [kb, ke), its diagonal
-//   kt [BC][ldq], vt [BC][ldo]: the K / V tile, float32 row-major
-//   dk [BC][ldq], dv [BC][ldo]: the tile's dK / dV accumulators
+// Loop order: row groups of kGroupRows rows (V::MAX_ROWS, the forward's item size) outer, key
+// tiles of BC keys inner, so a group's Q / dO / dQ panels stay in L2 while every K/V tile of the
+// item streams past them (measured: packing all rows of a 2048-row item and looping key tiles
+// outer ran the same micro-kernels at 44 instead of 62 GFLOP/s, the panels coming from L3).
+//
+// Scratch (floats, laid out by `layout`; rows >= the group's real rows are padding):
+//   kall [nkeys][ldq], vall [nkeys][ldo]: the item's K / V, float32 row-major, ldq / ldo = D / Dv
+//                   rounded up to W (packed once per item: strides and dtype conversion end here)
+//   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys
+//   per row group (GR = kGroupRows rows, in row blocks of RB = RV*W rows):
+//   qT  panels [D][RB]   Q transposed, one contiguous panel per row block (rows in lanes:
+//                        S^T = K Q^T, the forward's qk micro-kernel)
+//   qr  [GR][ldq]        Q row-major, zero padded (dK += dS^T Q, features in lanes)
+//   doT panels [Dv][RB]  dO transposed (dP^T = V dO^T)
+//   dor [GR][ldo]        dO row-major (dV += P^T dO)
+//   dqT panels [D][RB]   dQ^T accumulator (dQ^T += K^T dS^T, the forward's pv micro-kernel)
+//   lse2, delta, slope [GR]: log2-domain LSE (+inf: the row contributes nothing), D_i =
+//                        rowsum(dO o O), alibi slope * log2(e)
+//   first_key, last_key, diagonal [GR] int64: visible keys of the row within [kb, ke), its diagonal
 //   s, dp [BC][RB]: S then P, dP then dS, of one row block (key c, row lane r at c*RB + r)
 //
 // Per (key tile, row block) with visible keys, on the sub-range [cb, ce) of keys some row of the
@@ -55,39 +62,45 @@ struct BackwardLoop {
     static constexpr int kAcc = V::RV * V::NK;
     static constexpr int kMaxNJ = V::RV;
 
+    static constexpr int64_t kGroupRows = V::MAX_ROWS;
+    static_assert(kGroupRows % RB == 0, "row groups are whole row blocks");
+
     struct Layout {
-        int64_t M, ldq, ldo;
-        int64_t qT, qr, doT, dor, dqT, lse2, delta, slope, first_key, last_key, diagonal, kt, vt, dk, dv, s, dp, total;
+        int64_t ldq, ldo;
+        int64_t kall, vall, dkall, dvall;
+        int64_t qT, qr, doT, dor, dqT, lse2, delta, slope, first_key, last_key, diagonal, s, dp, total;
     };
-    static Layout layout(const BackwardParams& bp, int64_t rows) {
+    static Layout layout(const BackwardParams& bp, int64_t keys) {
         const Params& p = bp.f;
         Layout L;
-        L.M = round_up(rows < 1 ? 1 : rows, W);
         L.ldq = round_up(p.d, W);
         L.ldo = round_up(p.dv, W);
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
-        L.qT = take(p.d * L.M);
-        L.qr = take(L.M * L.ldq);
-        L.doT = take(p.dv * L.M);
-        L.dor = take(L.M * L.ldo);
-        L.dqT = take(p.d * L.M);
-        L.lse2 = take(L.M);
-        L.delta = take(L.M);
-        L.slope = take(L.M);
-        L.first_key = take(2 * L.M);  // int64
-        L.last_key = take(2 * L.M);
-        L.diagonal = take(2 * L.M);
-        L.kt = take(BC * L.ldq);
-        L.vt = take(BC * L.ldo);
-        L.dk = take(BC * L.ldq);
-        L.dv = take(BC * L.ldo);
+        L.kall = take(keys * L.ldq);
+        L.vall = take(keys * L.ldo);
+        L.dkall = take(keys * L.ldq);
+        L.dvall = take(keys * L.ldo);
+        L.qT = take(p.d * kGroupRows);
+        L.qr = take(kGroupRows * L.ldq);
+        L.doT = take(p.dv * kGroupRows);
+        L.dor = take(kGroupRows * L.ldo);
+        L.dqT = take(p.d * kGroupRows);
+        L.lse2 = take(kGroupRows);
+        L.delta = take(kGroupRows);
+        L.slope = take(kGroupRows);
+        L.first_key = take(2 * kGroupRows);  // int64
+        L.last_key = take(2 * kGroupRows);
+        L.diagonal = take(2 * kGroupRows);
         L.s = take(BC * RB);
         L.dp = take(BC * RB);
         L.total = o;
         return L;
     }
-    static int64_t scratch_floats(const BackwardParams& p, int64_t rows) { return layout(p, rows).total; }
+    // Per-thread scratch of an item of `keys` keys (rows do not matter: they go by row groups).
+    static int64_t scratch_floats(const BackwardParams& p, int64_t keys) { return layout(p, keys).total; }
+    // Index of (row r, feature f) in row-block panels of `features` x RB (row block r0 starts at r0 * features).
+    static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
 
     // ---- dV += P^T dO / dK += dS^T Q: features in lanes, P / dS broadcast -----------------------
     // acc[c*lda + j*W + lane] += sum_{r < rows} pt[c*RB + r] * x[r*ldx + j*W + lane],  c < NC, j < NJ
@@ -144,12 +157,16 @@ struct BackwardLoop {
     // ---- the item --------------------------------------------------------------------------
     static void run_item(const BackwardParams& bp, const BackwardItem& it, float* scratch, float* dq_part) {
         const Params& p = bp.f;
-        FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffers below
+        FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffer below
         const int64_t b = it.b, group = p.hq / p.hk, D = p.d, Dv = p.dv;
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
-        const int64_t nqi = it.i1 - it.i0, R = group * nqi;
-        const Layout L = layout(bp, R);
-        const int64_t M = L.M, ldq = L.ldq, ldo = L.ldo;
+        const int64_t nqi = it.i1 - it.i0, R = group * nqi, nkeys = it.ke - it.kb;
+        const Layout L = layout(bp, nkeys);
+        const int64_t ldq = L.ldq, ldo = L.ldo;
+        float* kall = scratch + L.kall;
+        float* vall = scratch + L.vall;
+        float* dkall = scratch + L.dkall;
+        float* dvall = scratch + L.dvall;
         float* qT = scratch + L.qT;
         float* qr = scratch + L.qr;
         float* doT = scratch + L.doT;
@@ -161,98 +178,105 @@ struct BackwardLoop {
         int64_t* first_key = reinterpret_cast<int64_t*>(scratch + L.first_key);
         int64_t* last_key = reinterpret_cast<int64_t*>(scratch + L.last_key);
         int64_t* diagonal = reinterpret_cast<int64_t*>(scratch + L.diagonal);
-        float* kt = scratch + L.kt;
-        float* vt = scratch + L.vt;
-        float* dk = scratch + L.dk;
-        float* dv = scratch + L.dv;
         float* s = scratch + L.s;
         float* dp = scratch + L.dp;
         const DType dt = DType(p.dtype);
 
-        // Rows: pack Q and dO in both layouts, D_i, log2 LSE, visible ranges, alibi.
-        for (int64_t r = 0; r < M; ++r) {
-            float orow[kMaxHeadDim];
-            float* qd = qr + r * ldq;
-            float* od = dor + r * ldo;
-            for (int64_t d = 0; d < ldq; ++d) qd[d] = 0.f;
-            for (int64_t j = 0; j < ldo; ++j) od[j] = 0.f;
-            if (r >= R) {  // padding: zero operands, P = 0, never decides a skip
-                for (int64_t d = 0; d < D; ++d) qT[d * M + r] = 0.f;
-                for (int64_t j = 0; j < Dv; ++j) doT[j * M + r] = 0.f;
-                lse2[r] = INFINITY; delta[r] = 0.f; slope[r] = 0.f;
-                first_key[r] = 0; last_key[r] = nk; diagonal[r] = 0;
-                continue;
-            }
-            const int64_t h = it.kv_head * group + r / nqi, i = it.i0 + r % nqi;
-            const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
-            V::load_row(qd, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
-            for (int64_t d = 0; d < D; ++d) qT[d * M + r] = qd[d];
-            const int64_t do_at = q_row_offset(p, b, i, bp.dout_batch_stride, bp.dout_row_stride) + h * bp.dout_head_stride;
-            const int64_t o_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
-            V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
-            V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
-            float dsum = 0.f;
-            for (int64_t j = 0; j < Dv; ++j) {
-                doT[j * M + r] = od[j];
-                dsum += od[j] * orow[j];
-            }
-            delta[r] = dsum;
-            const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
-            lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
-            int64_t lo, hi;
-            visible_range(p, nq, nk, i, &lo, &hi);
-            first_key[r] = lo < it.kb ? it.kb : lo;
-            last_key[r] = hi > it.ke - 1 ? it.ke - 1 : hi;
-            diagonal[r] = nk + (i - nq);
-            slope[r] = p.alibi ? -p.alibi[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e : 0.f;
-        }
-        for (int64_t x = 0; x < D * M; ++x) dqT[x] = 0.f;
-
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
-        const int64_t qvecs = ldq / W, ovecs = ldo / W;
-        for (int64_t c0 = it.kb; c0 < it.ke; c0 += BC) {
-            const int64_t nc = it.ke - c0 < BC ? it.ke - c0 : BC;
-            for (int64_t c = 0; c < nc; ++c) {
-                V::load_row(kt + c * ldq, elem_ptr(p.k, k_row_offset(p, b, c0 + c, p.k_batch_stride, p.k_row_stride) + k_head, dt),
-                            D, p.k_dim_stride, dt);
-                V::load_row(vt + c * ldo, elem_ptr(p.v, k_row_offset(p, b, c0 + c, p.v_batch_stride, p.v_row_stride) + v_head, dt),
-                            Dv, p.v_dim_stride, dt);
-            }
-            for (int64_t x = 0; x < nc * ldq; ++x) dk[x] = 0.f;
-            for (int64_t x = 0; x < nc * ldo; ++x) dv[x] = 0.f;
-            for (int64_t r0 = 0; r0 < M; r0 += RB) {
-                const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
-                const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
-                // The keys of this tile some row of the block sees: [cb, ce); mask when a row sees less.
-                int64_t blo = INT64_MAX, bhi = INT64_MIN, blo_max = INT64_MIN, bhi_min = INT64_MAX;
-                for (int64_t r = r0; r < rend; ++r) {
-                    if (first_key[r] > last_key[r]) { blo_max = INT64_MAX; continue; }  // row sees nothing
-                    blo = first_key[r] < blo ? first_key[r] : blo;
-                    bhi = last_key[r] > bhi ? last_key[r] : bhi;
-                    blo_max = first_key[r] > blo_max ? first_key[r] : blo_max;
-                    bhi_min = last_key[r] < bhi_min ? last_key[r] : bhi_min;
-                }
-                const int64_t cb = blo > c0 ? blo : c0;
-                const int64_t ce = (bhi < c0 + nc - 1 ? bhi : c0 + nc - 1) + 1;
-                if (cb >= ce) continue;
-                const int64_t n = ce - cb, cs = cb - c0;
-                const bool range_mask = blo_max > cb || bhi_min < ce - 1;
-                G::qk_nv(nv, qT + r0, M, kt + cs * ldq, ldq, D, n, s);
-                G::qk_nv(nv, doT + r0, M, vt + cs * ldo, ldo, Dv, n, dp);
-                gradients(p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
-                const int64_t rows = rend - r0;
-                tn(n, rows, s, dor + r0 * ldo, ldo, ovecs, dv + cs * ldo, ldo);
-                tn(n, rows, dp, qr + r0 * ldq, ldq, qvecs, dk + cs * ldq, ldq);
-                G::pv_nv(nv, dp, n, kt + cs * ldq, ldq, D, dqT + r0, M);
-            }
-            for (int64_t c = 0; c < nc; ++c) {
-                const int64_t k_at = k_row_offset(p, b, c0 + c, bp.dk_batch_stride, bp.dk_row_stride) + it.kv_head * bp.dk_head_stride;
-                const int64_t v_at = k_row_offset(p, b, c0 + c, bp.dv_batch_stride, bp.dv_row_stride) + it.kv_head * bp.dv_head_stride;
-                for (int64_t d = 0; d < D; ++d) store_scalar(bp.dk, k_at + d * bp.dk_dim_stride, dk[c * ldq + d], dt);
-                for (int64_t j = 0; j < Dv; ++j) store_scalar(bp.dv, v_at + j * bp.dv_dim_stride, dv[c * ldo + j], dt);
-            }
+        for (int64_t c = 0; c < nkeys; ++c) {
+            V::load_row(kall + c * ldq, elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt),
+                        D, p.k_dim_stride, dt);
+            V::load_row(vall + c * ldo, elem_ptr(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head, dt),
+                        Dv, p.v_dim_stride, dt);
         }
-        finish_dq(bp, it, R, M, dqT, dq_part);
+        for (int64_t x = 0; x < nkeys * ldq; ++x) dkall[x] = 0.f;
+        for (int64_t x = 0; x < nkeys * ldo; ++x) dvall[x] = 0.f;
+        if (it.part < 0) zero_dq_outside(bp, it);
+
+        const int64_t qvecs = ldq / W, ovecs = ldo / W;
+        for (int64_t g0 = 0; g0 < R; g0 += kGroupRows) {
+            const int64_t GRr = R - g0 < kGroupRows ? R - g0 : kGroupRows;  // real rows of the group
+            const int64_t M = round_up(GRr, W);
+            // Rows: pack Q and dO in both layouts, D_i, log2 LSE, visible ranges, alibi.
+            int64_t glo = it.ke, ghi = it.kb - 1;
+            for (int64_t r = 0; r < M; ++r) {
+                float orow[kMaxHeadDim];
+                float* qd = qr + r * ldq;
+                float* od = dor + r * ldo;
+                for (int64_t d = 0; d < ldq; ++d) qd[d] = 0.f;
+                for (int64_t j = 0; j < ldo; ++j) od[j] = 0.f;
+                if (r >= GRr) {  // padding: zero operands, P = 0, never decides a skip
+                    for (int64_t d = 0; d < D; ++d) qT[panel(r, D, d)] = 0.f;
+                    for (int64_t j = 0; j < Dv; ++j) doT[panel(r, Dv, j)] = 0.f;
+                    lse2[r] = INFINITY; delta[r] = 0.f; slope[r] = 0.f;
+                    first_key[r] = 0; last_key[r] = nk; diagonal[r] = 0;
+                    continue;
+                }
+                const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
+                const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
+                V::load_row(qd, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
+                for (int64_t d = 0; d < D; ++d) qT[panel(r, D, d)] = qd[d];
+                const int64_t do_at = q_row_offset(p, b, i, bp.dout_batch_stride, bp.dout_row_stride) + h * bp.dout_head_stride;
+                const int64_t o_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
+                V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
+                V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
+                float dsum = 0.f;
+                for (int64_t j = 0; j < Dv; ++j) {
+                    doT[panel(r, Dv, j)] = od[j];
+                    dsum += od[j] * orow[j];
+                }
+                delta[r] = dsum;
+                const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
+                lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
+                int64_t lo, hi;
+                visible_range(p, nq, nk, i, &lo, &hi);
+                first_key[r] = lo < it.kb ? it.kb : lo;
+                last_key[r] = hi > it.ke - 1 ? it.ke - 1 : hi;
+                if (first_key[r] <= last_key[r]) {
+                    glo = first_key[r] < glo ? first_key[r] : glo;
+                    ghi = last_key[r] > ghi ? last_key[r] : ghi;
+                }
+                diagonal[r] = nk + (i - nq);
+                slope[r] = p.alibi ? -p.alibi[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e : 0.f;
+            }
+            for (int64_t x = 0; x < D * round_up(M, RB); ++x) dqT[x] = 0.f;
+
+            for (int64_t c0 = glo; c0 <= ghi; c0 += BC) {
+                const int64_t nc = ghi + 1 - c0 < BC ? ghi + 1 - c0 : BC;
+                for (int64_t r0 = 0; r0 < M; r0 += RB) {
+                    const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
+                    const int64_t rend = (r0 + nv * W < GRr) ? r0 + nv * W : GRr;
+                    // The keys of this tile some row of the block sees: [cb, ce); mask when a row sees less.
+                    int64_t blo = INT64_MAX, bhi = INT64_MIN, blo_max = INT64_MIN, bhi_min = INT64_MAX;
+                    for (int64_t r = r0; r < rend; ++r) {
+                        if (first_key[r] > last_key[r]) { blo_max = INT64_MAX; continue; }  // row sees nothing
+                        blo = first_key[r] < blo ? first_key[r] : blo;
+                        bhi = last_key[r] > bhi ? last_key[r] : bhi;
+                        blo_max = first_key[r] > blo_max ? first_key[r] : blo_max;
+                        bhi_min = last_key[r] < bhi_min ? last_key[r] : bhi_min;
+                    }
+                    const int64_t cb = blo > c0 ? blo : c0;
+                    const int64_t ce = (bhi < c0 + nc - 1 ? bhi : c0 + nc - 1) + 1;
+                    if (cb >= ce) continue;
+                    const int64_t n = ce - cb, ck = cb - it.kb;  // ck: index of key cb in the item's arrays
+                    const bool range_mask = blo_max > cb || bhi_min < ce - 1;
+                    G::qk_nv(nv, qT + r0 * D, RB, kall + ck * ldq, ldq, D, n, s);
+                    G::qk_nv(nv, doT + r0 * Dv, RB, vall + ck * ldo, ldo, Dv, n, dp);
+                    gradients(p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
+                    const int64_t rows = rend - r0;
+                    tn(n, rows, s, dor + r0 * ldo, ldo, ovecs, dvall + ck * ldo, ldo);
+                    tn(n, rows, dp, qr + r0 * ldq, ldq, qvecs, dkall + ck * ldq, ldq);
+                    G::pv_nv(nv, dp, n, kall + ck * ldq, ldq, D, dqT + r0 * D, RB);
+                }
+            }
+            store_dq(bp, it, g0, GRr, dqT, dq_part);
+        }
+        for (int64_t c = 0; c < nkeys; ++c) {
+            const int64_t k_at = k_row_offset(p, b, it.kb + c, bp.dk_batch_stride, bp.dk_row_stride) + it.kv_head * bp.dk_head_stride;
+            const int64_t v_at = k_row_offset(p, b, it.kb + c, bp.dv_batch_stride, bp.dv_row_stride) + it.kv_head * bp.dv_head_stride;
+            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dk, k_at + d * bp.dk_dim_stride, dkall[c * ldq + d], dt);
+            for (int64_t j = 0; j < Dv; ++j) store_scalar(bp.dv, v_at + j * bp.dv_dim_stride, dvall[c * ldo + j], dt);
+        }
     }
 
     // S, dP of a row block (keys [cb, cb + n)) -> P (in s) and dS (in dp), dS already carrying the
@@ -300,28 +324,36 @@ struct BackwardLoop {
         }
     }
 
-    // dq rows of the item: final (dtype) rows when it owns its kv head's dq, else its partial.
-    static void finish_dq(const BackwardParams& bp, const BackwardItem& it, int64_t R, int64_t M, const float* dqT,
-                          float* dq_part) {
+    // dq of the rows [g0, g0 + rows) of the item: final (dtype) rows when it owns its kv head's dq,
+    // else its float32 partial rows.
+    static void store_dq(const BackwardParams& bp, const BackwardItem& it, int64_t g0, int64_t rows, const float* dqT,
+                         float* dq_part) {
         const Params& p = bp.f;
         const int64_t D = p.d, group = p.hq / p.hk, nqi = it.i1 - it.i0;
         if (it.part >= 0) {
-            float* out = dq_part + it.part;
-            for (int64_t r = 0; r < R; ++r)
-                for (int64_t d = 0; d < D; ++d) out[r * D + d] = dqT[d * M + r];
+            float* out = dq_part + it.part + g0 * D;
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t d = 0; d < D; ++d) out[r * D + d] = dqT[panel(r, D, d)];
             return;
         }
         const DType dt = DType(p.dtype);
-        const int64_t nq = seq_nq(p, it.b);
-        for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = it.kv_head * group + g;
-            for (int64_t i = 0; i < nq; ++i) {
-                const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
-                const bool mine = i >= it.i0 && i < it.i1;
-                const int64_t r = g * nqi + (i - it.i0);
-                for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, mine ? dqT[d * M + r] : 0.f, dt);
-            }
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
+            const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
+            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, dqT[panel(r, D, d)], dt);
         }
+    }
+    // Zero dq rows of the item's kv head that see none of its keys (it owns that head's dq).
+    static void zero_dq_outside(const BackwardParams& bp, const BackwardItem& it) {
+        const Params& p = bp.f;
+        const int64_t D = p.d, group = p.hq / p.hk, nq = seq_nq(p, it.b);
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t i = 0; i < nq; ++i) {
+                if (i >= it.i0 && i < it.i1) continue;
+                const int64_t h = it.kv_head * group + g;
+                const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
+                for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, 0.f, DType(p.dtype));
+            }
     }
 };
 

@@ -99,7 +99,7 @@ struct BackwardItem {
 // A family's backward (kernels/common/routes.h derives it from a BackwardLoop).
 struct BackwardKernel {
     int64_t kv_tile;  // keys per K/V tile: the driver's key splits fall on multiples of it
-    int64_t (*scratch_floats)(const BackwardParams& p, int64_t rows);  // per-thread scratch, <= rows rows
+    int64_t (*scratch_floats)(const BackwardParams& p, int64_t keys);  // per-thread scratch, items of <= keys keys
     void (*run_item)(const BackwardParams& p, const BackwardItem& it, float* scratch, float* dq_part);
 };
 
