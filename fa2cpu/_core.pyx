@@ -26,6 +26,16 @@ cdef inline void _strides4(cnp.ndarray a, int64_t* s):
         s[i] = st[i] // item
 
 
+cdef inline void _view(cnp.ndarray a, const void** data, int64_t* batch, int64_t* head, int64_t* row,
+                       int64_t* dim):
+    """Data pointer and element strides of a 4-D (batch, head, position, feature) view into the
+    Params fields given."""
+    cdef int64_t s[4]
+    _strides4(a, s)
+    data[0] = cnp.PyArray_DATA(a)
+    batch[0], head[0], row[0], dim[0] = s[0], s[1], s[2], s[3]
+
+
 cdef cnp.ndarray _element_strided(cnp.ndarray a):
     """a itself, or an aligned contiguous copy when its data pointer or a byte stride is not a
     multiple of the item size (only hand-made views): the core addresses arrays by element
@@ -47,7 +57,6 @@ cdef void _fill(Params* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndar
                 object alibi, object cu_q, object cu_k, int num_threads) except *:
     """The Params fields shared by the forward and the backward (q, k, v, out element-strided:
     _element_strided applied by the caller)."""
-    cdef int64_t s[4]
     cdef cnp.ndarray a
     p.dtype = dtype
     p.batch = batch
@@ -57,14 +66,10 @@ cdef void _fill(Params* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndar
     p.nk = nk
     p.d = cnp.PyArray_DIM(q, 3)
     p.dv = cnp.PyArray_DIM(v, 3)
-    p.q = cnp.PyArray_DATA(q); _strides4(q, s)
-    p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.q_dim_stride = s[0], s[1], s[2], s[3]
-    p.k = cnp.PyArray_DATA(k); _strides4(k, s)
-    p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.k_dim_stride = s[0], s[1], s[2], s[3]
-    p.v = cnp.PyArray_DATA(v); _strides4(v, s)
-    p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.v_dim_stride = s[0], s[1], s[2], s[3]
-    p.out = cnp.PyArray_DATA(out); _strides4(out, s)
-    p.out_batch_stride, p.out_head_stride, p.out_row_stride, p.out_dim_stride = s[0], s[1], s[2], s[3]
+    _view(q, &p.q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride, &p.q_dim_stride)
+    _view(k, &p.k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride, &p.k_dim_stride)
+    _view(v, &p.v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride, &p.v_dim_stride)
+    _view(out, <const void**>&p.out, &p.out_batch_stride, &p.out_head_stride, &p.out_row_stride, &p.out_dim_stride)
     p.lse = NULL
     if lse is not None:
         a = lse
@@ -148,7 +153,6 @@ def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, 
     out), element-strided, of q's dtype. lse: float32 3-D (batch, head, row) view as the forward
     returned it."""
     cdef BackwardParams p
-    cdef int64_t s[4]
     for name, a in (("dq", dq), ("dk", dk), ("dv", dv)):
         if _element_strided(a) is not a:
             raise ValueError(f"{name}: must be element-strided and aligned")
@@ -159,14 +163,10 @@ def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, 
     out = _element_strided(out)
     _fill(&p.f, q, k, v, out, lse, dtype, batch, hq, hk, nq, nk, scale, softcap, win_left, win_right, alibi,
           cu_q, cu_k, num_threads)
-    p.dout = cnp.PyArray_DATA(dout); _strides4(dout, s)
-    p.dout_batch_stride, p.dout_head_stride, p.dout_row_stride, p.dout_dim_stride = s[0], s[1], s[2], s[3]
-    p.dq = cnp.PyArray_DATA(dq); _strides4(dq, s)
-    p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, p.dq_dim_stride = s[0], s[1], s[2], s[3]
-    p.dk = cnp.PyArray_DATA(dk); _strides4(dk, s)
-    p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride, p.dk_dim_stride = s[0], s[1], s[2], s[3]
-    p.dv = cnp.PyArray_DATA(dv); _strides4(dv, s)
-    p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride, p.dv_dim_stride = s[0], s[1], s[2], s[3]
+    _view(dout, &p.dout, &p.dout_batch_stride, &p.dout_head_stride, &p.dout_row_stride, &p.dout_dim_stride)
+    _view(dq, <const void**>&p.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride, &p.dq_dim_stride)
+    _view(dk, <const void**>&p.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride, &p.dk_dim_stride)
+    _view(dv, <const void**>&p.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride, &p.dv_dim_stride)
     cdef int rc
     with nogil:
         rc = c.backward(p)

@@ -150,12 +150,10 @@ struct RunCtx {
 
 void run_item_on_thread(int64_t i, void* c) {
     RunCtx& x = *static_cast<RunCtx*>(c);
-    float* scratch = thread_scratch(x.scratch_floats);
-    if (!scratch) {
-        x.failed.store(1, std::memory_order_relaxed);
-        return;
-    }
-    x.K->run_item(*x.p, x.plan->items[size_t(i)], scratch, x.part);
+    if (float* scratch = thread_scratch(x.scratch_floats))
+        x.K->run_item(*x.p, x.plan->items[size_t(i)], scratch, x.part);
+    else
+        x.failed.store(1, std::memory_order_relaxed);  // backward() returns 1: MemoryError
 }
 
 void reduce_on_thread(int64_t g, void* c) {

@@ -103,29 +103,12 @@ struct BackwardLoop {
     static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
 
     // ---- dV += P^T dO / dK += dS^T Q: features in lanes, P / dS broadcast -----------------------
-    // acc[c*lda + j*W + lane] += sum_{r < rows} pt[c*RB + r] * x[r*ldx + j*W + lane],  c < NC, j < NJ
+    // acc[c*lda + j*W + lane] += sum_{r < rows} pt[c*RB + r] * x[r*ldx + j*W + lane],  c < NC, j < NJ:
+    // the forward's P V micro-kernel with X in the role of P (row stride ldx) and P^T in the role
+    // of V (keys RB apart).
     template <int NC, int NJ>
     static inline void tn_micro(const float* pt, int64_t rows, const float* x, int64_t ldx, float* acc, int64_t lda) {
-        vec a[NC][NJ];
-#pragma GCC unroll 24
-        for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; ++j) a[c][j] = V::load(acc + c * lda + j * W);
-        for (int64_t r = 0; r < rows; ++r) {
-            vec xv[NJ];
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; ++j) xv[j] = V::load(x + r * ldx + j * W);
-#pragma GCC unroll 24
-            for (int c = 0; c < NC; ++c) {
-                const vec pb = V::set1(pt[c * RB + r]);
-#pragma GCC unroll 8
-                for (int j = 0; j < NJ; ++j) a[c][j] = V::fma(xv[j], pb, a[c][j]);
-            }
-        }
-#pragma GCC unroll 24
-        for (int c = 0; c < NC; ++c)
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; ++j) V::store(acc + c * lda + j * W, a[c][j]);
+        G::template pv_micro<NJ, NC, RB>(x, rows, pt, 1, acc, lda, ldx);
     }
     // n keys in blocks of kAcc/NJ, the remainder one key at a time.
     template <int NJ>
@@ -163,23 +146,26 @@ struct BackwardLoop {
         const int64_t nqi = it.i1 - it.i0, R = group * nqi, nkeys = it.ke - it.kb;
         const Layout L = layout(bp, nkeys);
         const int64_t ldq = L.ldq, ldo = L.ldo;
-        float* kall = scratch + L.kall;
-        float* vall = scratch + L.vall;
-        float* dkall = scratch + L.dkall;
-        float* dvall = scratch + L.dvall;
-        float* qT = scratch + L.qT;
-        float* qr = scratch + L.qr;
-        float* doT = scratch + L.doT;
-        float* dor = scratch + L.dor;
-        float* dqT = scratch + L.dqT;
-        float* lse2 = scratch + L.lse2;
-        float* delta = scratch + L.delta;
-        float* slope = scratch + L.slope;
-        int64_t* first_key = reinterpret_cast<int64_t*>(scratch + L.first_key);
-        int64_t* last_key = reinterpret_cast<int64_t*>(scratch + L.last_key);
-        int64_t* diagonal = reinterpret_cast<int64_t*>(scratch + L.diagonal);
-        float* s = scratch + L.s;
-        float* dp = scratch + L.dp;
+        // Scratch regions by offset (`layout`); positions are int64 (exact beyond 2^24 keys).
+        auto at = [scratch](int64_t offset) { return scratch + offset; };
+        auto at64 = [scratch](int64_t offset) { return reinterpret_cast<int64_t*>(scratch + offset); };
+        float* kall = at(L.kall);
+        float* vall = at(L.vall);
+        float* dkall = at(L.dkall);
+        float* dvall = at(L.dvall);
+        float* qT = at(L.qT);
+        float* qr = at(L.qr);
+        float* doT = at(L.doT);
+        float* dor = at(L.dor);
+        float* dqT = at(L.dqT);
+        float* lse2 = at(L.lse2);
+        float* delta = at(L.delta);
+        float* slope = at(L.slope);
+        int64_t* first_key = at64(L.first_key);
+        int64_t* last_key = at64(L.last_key);
+        int64_t* diagonal = at64(L.diagonal);
+        float* s = at(L.s);
+        float* dp = at(L.dp);
         const DType dt = DType(p.dtype);
 
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
@@ -247,19 +233,12 @@ struct BackwardLoop {
                     const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                     const int64_t rend = (r0 + nv * W < GRr) ? r0 + nv * W : GRr;
                     // The keys of this tile some row of the block sees: [cb, ce); mask when a row sees less.
-                    int64_t blo = INT64_MAX, bhi = INT64_MIN, blo_max = INT64_MIN, bhi_min = INT64_MAX;
-                    for (int64_t r = r0; r < rend; ++r) {
-                        if (first_key[r] > last_key[r]) { blo_max = INT64_MAX; continue; }  // row sees nothing
-                        blo = first_key[r] < blo ? first_key[r] : blo;
-                        bhi = last_key[r] > bhi ? last_key[r] : bhi;
-                        blo_max = first_key[r] > blo_max ? first_key[r] : blo_max;
-                        bhi_min = last_key[r] < bhi_min ? last_key[r] : bhi_min;
-                    }
-                    const int64_t cb = blo > c0 ? blo : c0;
-                    const int64_t ce = (bhi < c0 + nc - 1 ? bhi : c0 + nc - 1) + 1;
+                    const BlockKeys bk = block_keys(first_key, last_key, r0, rend);
+                    const int64_t cb = bk.lo > c0 ? bk.lo : c0;
+                    const int64_t ce = (bk.hi < c0 + nc - 1 ? bk.hi : c0 + nc - 1) + 1;
                     if (cb >= ce) continue;
                     const int64_t n = ce - cb, ck = cb - it.kb;  // ck: index of key cb in the item's arrays
-                    const bool range_mask = blo_max > cb || bhi_min < ce - 1;
+                    const bool range_mask = bk.lo_max > cb || bk.hi_min < ce - 1;
                     G::qk_nv(nv, qT + r0 * D, RB, kall + ck * ldq, ldq, D, n, s);
                     G::qk_nv(nv, doT + r0 * Dv, RB, vall + ck * ldo, ldo, Dv, n, dp);
                     gradients(p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
@@ -290,15 +269,9 @@ struct BackwardLoop {
         const vec cap = V::set1(p.softcap * kLog2e), one = V::set1(1.f), ds_scale = V::set1(p.scale), zero = V::zero();
         for (int v = 0; v < nv; ++v) {
             const int64_t rv = r0 + v * W;
-            // Row bounds and diagonals relative to cb, clamped to [-1, n]: exact in float32.
-            alignas(64) float lo_t[W], hi_t[W], rl_t[W];
-            for (int t = 0; t < W; ++t) {
-                const int64_t a = first_key[rv + t] - cb, z = last_key[rv + t] - cb;
-                lo_t[t] = float(a < -1 ? -1 : a > n ? n : a);
-                hi_t[t] = float(z < -1 ? -1 : z > n ? n : z);
-                rl_t[t] = float(diagonal[rv + t] - cb);
-            }
-            const vec lo = V::load(lo_t), hi = V::load(hi_t), rl = V::load(rl_t), sl = V::load(slope + rv);
+            // Row bounds and diagonals relative to cb (policy.h row_bounds).
+            const RowBounds<V> rb = row_bounds<V>(first_key, last_key, diagonal, rv, cb, n);
+            const vec lo = rb.lo, hi = rb.hi, rl = rb.rl, sl = V::load(slope + rv);
             const vec l2 = V::load(lse2 + rv), di = V::load(delta + rv);
             for (int64_t c = 0; c < n; ++c) {
                 float* sp = s + c * RB + v * W;

@@ -173,6 +173,24 @@ inline void visible_range(const Params& p, int64_t nq, int64_t nk, int64_t i, in
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Visible keys of a row block, from its rows' ranges [first[r], last[r]] (r in [r0, rend)):
+// lo..hi is their union; every row sees all of [lo_max, hi_min] (lo_max = INT64_MAX when a row
+// sees nothing, so a block holding such a row always needs the per-row mask).
+struct BlockKeys {
+    int64_t lo, hi, lo_max, hi_min;
+};
+inline BlockKeys block_keys(const int64_t* first, const int64_t* last, int64_t r0, int64_t rend) {
+    BlockKeys k{INT64_MAX, INT64_MIN, INT64_MIN, INT64_MAX};
+    for (int64_t r = r0; r < rend; ++r) {
+        if (first[r] > last[r]) { k.lo_max = INT64_MAX; continue; }  // row sees nothing
+        k.lo = first[r] < k.lo ? first[r] : k.lo;
+        k.hi = last[r] > k.hi ? last[r] : k.hi;
+        k.lo_max = first[r] > k.lo_max ? first[r] : k.lo_max;
+        k.hi_min = last[r] < k.hi_min ? last[r] : k.hi_min;
+    }
+    return k;
+}
+
 // Spin-wait hint.
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
