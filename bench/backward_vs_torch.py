@@ -6,11 +6,12 @@ on its own (flash_attention_backward from the forward's out / lse), and fa2cpu's
 it. The four measurements are interleaved per repetition (drift on a shared machine hits all of
 them alike) and the median of the repetitions is reported.
 
-    python bench/backward_vs_torch.py                      # B=1 H=16 N=2048 D=128, fp32+bf16,
+    PYTHONPATH=$PWD python bench/backward_vs_torch.py      # B=1 H=16 N=2048 D=128, fp32+bf16,
                                                            # causal and not, 1 and 2 threads
     python bench/backward_vs_torch.py --threads 16 --n 4096 --heads 32 --markdown
 
-Columns: ms of torch's backward, ours, ratio torch/ours (> 1: we are faster), our forward and
+(PYTHONPATH=$PWD from the checkout: a script in bench/ would otherwise import whatever fa2cpu is
+installed.) Columns: ms of torch's backward, ours, ratio torch/ours (> 1: we are faster), our forward and
 our backward / our forward.
 """
 import argparse
