@@ -181,7 +181,7 @@ class BuildExt(build_ext):
 ext = Extension(
     "fa2cpu._core",
     sources=["fa2cpu/_core.pyx", "csrc/dispatch/cpu_features.cpp", "csrc/dispatch/registry.cpp",
-             "csrc/driver/driver.cpp", "csrc/driver/pool.cpp"],
+             "csrc/driver/driver.cpp", "csrc/driver/backward.cpp", "csrc/driver/pool.cpp"],
     include_dirs=INCLUDES,
     language="c++",
 )

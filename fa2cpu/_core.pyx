@@ -7,7 +7,7 @@ import numpy as np
 from libc.stdint cimport int32_t, int64_t
 from openmp cimport omp_get_max_threads
 
-from fa2cpu._cpp cimport Params
+from fa2cpu._cpp cimport BackwardParams, Params
 from fa2cpu cimport _cpp as c
 
 cnp.import_array()
@@ -26,6 +26,16 @@ cdef inline void _strides4(cnp.ndarray a, int64_t* s):
         s[i] = st[i] // item
 
 
+cdef inline void _view(cnp.ndarray a, const void** data, int64_t* batch, int64_t* head, int64_t* row,
+                       int64_t* dim):
+    """Data pointer and element strides of a 4-D (batch, head, position, feature) view into the
+    Params fields given."""
+    cdef int64_t s[4]
+    _strides4(a, s)
+    data[0] = cnp.PyArray_DATA(a)
+    batch[0], head[0], row[0], dim[0] = s[0], s[1], s[2], s[3]
+
+
 cdef cnp.ndarray _element_strided(cnp.ndarray a):
     """a itself, or an aligned contiguous copy when its data pointer or a byte stride is not a
     multiple of the item size (only hand-made views): the core addresses arrays by element
@@ -41,22 +51,13 @@ cdef cnp.ndarray _element_strided(cnp.ndarray a):
     return a
 
 
-def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse, *,
-        int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
-        double scale, double softcap, int64_t win_left, int64_t win_right,
-        object alibi, object mask, int mask_kind,
-        object cu_q, object cu_k, object seqlen_k, object block_table, int64_t block_size,
-        int num_threads, int num_splits):
-    """q, k, v, out: 4-D views in (batch, head, position, feature) order (varlen/paged views
-    described in csrc/include/fa2cpu/fa2cpu.h); lse: float32 3-D (batch, head, row) view or None;
-    alibi: float32 2-D (batch, head) view or None; mask: 4-D uint8/float32 view or None;
-    cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None."""
-    cdef Params p
-    cdef int64_t s[4]
+cdef void _fill(Params* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse,
+                int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
+                double scale, double softcap, int64_t win_left, int64_t win_right,
+                object alibi, object cu_q, object cu_k, int num_threads) except *:
+    """The Params fields shared by the forward and the backward (q, k, v, out element-strided:
+    _element_strided applied by the caller)."""
     cdef cnp.ndarray a
-    q = _element_strided(q)
-    k = _element_strided(k)
-    v = _element_strided(v)
     p.dtype = dtype
     p.batch = batch
     p.hq = hq
@@ -65,14 +66,10 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     p.nk = nk
     p.d = cnp.PyArray_DIM(q, 3)
     p.dv = cnp.PyArray_DIM(v, 3)
-    p.q = cnp.PyArray_DATA(q); _strides4(q, s)
-    p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.q_dim_stride = s[0], s[1], s[2], s[3]
-    p.k = cnp.PyArray_DATA(k); _strides4(k, s)
-    p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.k_dim_stride = s[0], s[1], s[2], s[3]
-    p.v = cnp.PyArray_DATA(v); _strides4(v, s)
-    p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.v_dim_stride = s[0], s[1], s[2], s[3]
-    p.out = cnp.PyArray_DATA(out); _strides4(out, s)
-    p.out_batch_stride, p.out_head_stride, p.out_row_stride, p.out_dim_stride = s[0], s[1], s[2], s[3]
+    _view(q, &p.q, &p.q_batch_stride, &p.q_head_stride, &p.q_row_stride, &p.q_dim_stride)
+    _view(k, &p.k, &p.k_batch_stride, &p.k_head_stride, &p.k_row_stride, &p.k_dim_stride)
+    _view(v, &p.v, &p.v_batch_stride, &p.v_head_stride, &p.v_row_stride, &p.v_dim_stride)
+    _view(out, <const void**>&p.out, &p.out_batch_stride, &p.out_head_stride, &p.out_row_stride, &p.out_dim_stride)
     p.lse = NULL
     if lse is not None:
         a = lse
@@ -92,12 +89,6 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         p.alibi_head_stride = cnp.PyArray_STRIDES(a)[1] // 4
     p.mask = NULL
     p.mask_kind = 0
-    if mask is not None:
-        a = mask
-        p.mask = cnp.PyArray_DATA(a)
-        p.mask_kind = mask_kind
-        _strides4(a, s)
-        p.mask_batch_stride, p.mask_head_stride, p.mask_query_stride, p.mask_key_stride = s[0], s[1], s[2], s[3]
     p.cu_seqlens_q = NULL
     p.cu_seqlens_k = NULL
     p.seqlen_k = NULL
@@ -108,6 +99,33 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     if cu_k is not None:
         a = cu_k
         p.cu_seqlens_k = <const int64_t*>cnp.PyArray_DATA(a)
+    p.num_threads = num_threads
+
+
+def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse, *,
+        int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
+        double scale, double softcap, int64_t win_left, int64_t win_right,
+        object alibi, object mask, int mask_kind,
+        object cu_q, object cu_k, object seqlen_k, object block_table, int64_t block_size,
+        int num_threads, int num_splits):
+    """q, k, v, out: 4-D views in (batch, head, position, feature) order (varlen/paged views
+    described in csrc/include/fa2cpu/fa2cpu.h); lse: float32 3-D (batch, head, row) view or None;
+    alibi: float32 2-D (batch, head) view or None; mask: 4-D uint8/float32 view or None;
+    cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None."""
+    cdef Params p
+    cdef int64_t s[4]
+    cdef cnp.ndarray a
+    q = _element_strided(q)  # kept alive here: p points into them until the call returns
+    k = _element_strided(k)
+    v = _element_strided(v)
+    _fill(&p, q, k, v, out, lse, dtype, batch, hq, hk, nq, nk, scale, softcap, win_left, win_right, alibi,
+          cu_q, cu_k, num_threads)
+    if mask is not None:
+        a = mask
+        p.mask = cnp.PyArray_DATA(a)
+        p.mask_kind = mask_kind
+        _strides4(a, s)
+        p.mask_batch_stride, p.mask_head_stride, p.mask_query_stride, p.mask_key_stride = s[0], s[1], s[2], s[3]
     if seqlen_k is not None:
         a = seqlen_k
         p.seqlen_k = <const int64_t*>cnp.PyArray_DATA(a)
@@ -116,7 +134,6 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         p.block_table = <const int32_t*>cnp.PyArray_DATA(a)
         p.block_table_batch_stride = cnp.PyArray_STRIDES(a)[0] // 4
         p.block_size = block_size
-    p.num_threads = num_threads
     p.num_splits = num_splits
     cdef int rc
     with nogil:
@@ -124,6 +141,37 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     if rc != 0:
         raise MemoryError("fa2cpu: could not allocate per-thread scratch memory")
     return out
+
+
+def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                 cnp.ndarray lse, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, *,
+                 int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,
+                 double scale, double softcap, int64_t win_left, int64_t win_right,
+                 object alibi, object cu_q, object cu_k, int num_threads):
+    """Gradients of the forward call these arguments describe (same meaning as run's), written
+    into dq, dk, dv: 4-D (batch, head, position, feature) views laid out like q, k, v (dout like
+    out), element-strided, of q's dtype. lse: float32 3-D (batch, head, row) view as the forward
+    returned it."""
+    cdef BackwardParams p
+    for name, a in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if _element_strided(a) is not a:
+            raise ValueError(f"{name}: must be element-strided and aligned")
+    dout = _element_strided(dout)  # kept alive here: p points into them until the call returns
+    q = _element_strided(q)
+    k = _element_strided(k)
+    v = _element_strided(v)
+    out = _element_strided(out)
+    _fill(&p.f, q, k, v, out, lse, dtype, batch, hq, hk, nq, nk, scale, softcap, win_left, win_right, alibi,
+          cu_q, cu_k, num_threads)
+    _view(dout, &p.dout, &p.dout_batch_stride, &p.dout_head_stride, &p.dout_row_stride, &p.dout_dim_stride)
+    _view(dq, <const void**>&p.dq, &p.dq_batch_stride, &p.dq_head_stride, &p.dq_row_stride, &p.dq_dim_stride)
+    _view(dk, <const void**>&p.dk, &p.dk_batch_stride, &p.dk_head_stride, &p.dk_row_stride, &p.dk_dim_stride)
+    _view(dv, <const void**>&p.dv, &p.dv_batch_stride, &p.dv_head_stride, &p.dv_row_stride, &p.dv_dim_stride)
+    cdef int rc
+    with nogil:
+        rc = c.backward(p)
+    if rc != 0:
+        raise MemoryError("fa2cpu: could not allocate the backward's scratch memory")
 
 
 def max_threads():

@@ -30,7 +30,19 @@ cdef extern from "fa2cpu/fa2cpu.h" namespace "fa2cpu" nogil:
         int64_t mask_batch_stride, mask_head_stride, mask_query_stride, mask_key_stride
         int num_threads, num_splits
 
+    cdef cppclass BackwardParams:
+        Params f
+        const void* dout
+        int64_t dout_batch_stride, dout_head_stride, dout_row_stride, dout_dim_stride
+        void* dq
+        int64_t dq_batch_stride, dq_head_stride, dq_row_stride, dq_dim_stride
+        void* dk
+        int64_t dk_batch_stride, dk_head_stride, dk_row_stride, dk_dim_stride
+        void* dv
+        int64_t dv_batch_stride, dv_head_stride, dv_row_stride, dv_dim_stride
+
     int forward(const Params& p) except +
+    int backward(const BackwardParams& p) except +
     int available_isas(int* out) except +
     int isa_count() except +
     const char* isa_name(int isa) except +

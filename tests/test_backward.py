@@ -2,9 +2,10 @@
 
 The float64 oracle ``attention_backward_ref`` (fa2cpu/_reference.py, analytic gradients on the full
 score matrix) is itself checked by central finite differences of ``attention_ref`` and, when torch
-is importable, by torch autograd. The kernel's gradients are then compared with it for shapes that
-break the tilings (also with tiny tiles forced), every option, GQA/MQA, layouts and ranks, strides,
-dtypes (TOL table of conftest), empty rows, NaN isolation, threads, memory and errors.
+is importable, by torch autograd. The kernel's gradients are then compared with it (and with torch
+autograd through SDPA) on every family for shapes that break the tilings, every option, GQA/MQA, layouts and ranks, strides,
+dtypes (TOL table of conftest), empty rows, NaN isolation, bit-identical results for any thread
+count, memory and errors.
 """
 
 import numpy as np
@@ -220,17 +221,21 @@ def test_out_and_lse_from_the_oracle(rng):
     _check(grads, dout, q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("block_k,block_rows", [(1, 1), (5, 6), (16, 9), (7, 64)])
+# Tile sizes of the families' backward (csrc/kernels/common/backward_loop.h): key tiles of 128
+# (avx2, AVX-512 families) or 64 (generic) keys, row blocks of 96 / 16 / 8 rows (heads x queries),
+# and the driver's key splits at tile multiples. Shapes around them, primes, Nq != Nk both ways.
+TILE_EDGE_SHAPES = [(1, 7), (7, 1), (63, 65), (65, 63), (64, 64), (127, 129), (129, 127), (128, 128),
+                    (97, 193), (191, 97), (257, 131)]
+
+
+@pytest.mark.parametrize("Nq,Nk", TILE_EDGE_SHAPES)
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window=(3, 2), softcap=2.0, alibi="h")],
                          ids=["plain", "causal", "window-softcap-alibi"])
-def test_small_tiles(block_k, block_rows, opts, rng, monkeypatch):
-    """Tiny tiles: many tile edges, band-skipped blocks, partial last tiles, and tiles of a GQA
-    group that hold fewer query rows than heads."""
-    monkeypatch.setattr(bw, "_BLOCK_K", block_k)
-    monkeypatch.setattr(bw, "_BLOCK_ROWS", block_rows)
+def test_tile_edges_per_isa(Nq, Nk, opts, isa, rng):
+    """Every family across its tile edges: partial key tiles, partial row blocks (3 heads per kv
+    head: rows = 3 Nq), band-skipped blocks and key splits whose dq partials are summed."""
     kw = _oracle_kw(opts, 1, 3, rng)
-    _run(rng, 1, 3, 1, 19, 23, 8, 4, **kw)
-    _run(rng, 1, 3, 3, 23, 13, 4, 8, **kw)
+    _run(rng, 1, 3, 1, Nq, Nk, 8, 5, **kw)
 
 
 def test_layouts_and_ranks(rng):
@@ -336,23 +341,59 @@ def test_nan_stays_in_affected_rows(rng):
     assert np.isfinite(dk[1]).all() and np.isfinite(dv[1]).all()
 
 
-@pytest.mark.parametrize("tasks", ["one-task", "many-tasks"])
-def test_threads_do_not_change_results(tasks, rng):
-    shape = (1, 1, 1) if tasks == "one-task" else (3, 4, 2)
-    dout, q, k, v = _inputs(rng, *shape, 300, 270, 32, 16)
+DETERMINISM_SHAPES = [
+    dict(B=1, Hq=1, Hk=1, Nq=300, Nk=270),    # one kv head: the key axis split 3 ways, dq partials summed
+    dict(B=3, Hq=4, Hk=2, Nq=129, Nk=257),    # splits of several heads, GQA
+    dict(B=2, Hq=64, Hk=32, Nq=33, Nk=200),   # 64 kv heads: no split, each item writes its dq
+    dict(B=1, Hq=2, Hk=2, Nq=1, Nk=500),      # decode-like rows
+]
+
+
+@pytest.mark.parametrize("shape", range(len(DETERMINISM_SHAPES)))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_threads_give_identical_bits(shape, dtype, isa, rng):
+    """The same bits for 1, 2, 3 and the default number of threads (no atomics, fixed reduction
+    order), on every family, whether or not the key axis is split."""
+    c = DETERMINISM_SHAPES[shape]
+    dout, q, k, v = _inputs(rng, c["B"], c["Hq"], c["Hk"], c["Nq"], c["Nk"], 32, 16, dtype)
     out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, causal=True)
     results = [fa2cpu.flash_attention_backward(dout, q, k, v, out, lse, causal=True, num_threads=n)
                for n in (1, 2, 3, None)]
-    for other in results[1:]:
-        for a, b in zip(other, results[0]):
-            check_same(a, b, "float32", ulps=4)
+    for n, other in zip((2, 3, None), results[1:]):
+        for name, a, b in zip(("dq", "dk", "dv"), other, results[0]):
+            assert a.tobytes() == b.tobytes(), f"{name}: num_threads={n} differs from 1"
+    _check(results[0], dout, q, k, v, causal=True)
 
 
-def test_concurrent_calls(rng, monkeypatch):
-    """Calls from several Python threads at once (each with its own task pool) agree."""
+def test_varlen_threads_give_identical_bits(rng):
+    lq, lk = [3, 0, 170, 1, 9], [5, 4, 300, 0, 130]
+    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
+    q, k, v = rand(rng, (cq[-1], 4, 16)), rand(rng, (ck[-1], 2, 16)), rand(rng, (ck[-1], 2, 8))
+    out, lse = fa2cpu.flash_attention_varlen(q, k, v, cq, ck, return_lse=True, causal=True)
+    do = rand(rng, out.shape)
+    one = fa2cpu.flash_attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=True, num_threads=1)
+    two = fa2cpu.flash_attention_varlen_backward(do, q, k, v, out, lse, cq, ck, causal=True, num_threads=2)
+    for a, b in zip(one, two):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_vs_torch_sdpa_autograd_per_isa(dtype, causal, isa, rng):
+    """Each family's gradients against torch autograd through scaled_dot_product_attention (float64,
+    from the same rounded inputs), within TOL[dtype]: GQA, Nq != Nk, D != Dv, tile-crossing sizes."""
+    torch = pytest.importorskip("torch")
+    dout, q, k, v = _inputs(rng, 1, 4, 2, 131, 200, 40, 24, dtype)
+    grads = _backward(dout, q, k, v, causal=causal)
+    f32 = [x.astype(np.float32) for x in (dout, q, k, v)]
+    for name, g, t in zip(("dq", "dk", "dv"), grads, _torch_grads(torch, *f32, causal=causal)):
+        check_close(g, t, dtype, what=name)
+
+
+def test_concurrent_calls(rng):
+    """Calls from several Python threads at once (they share the library's pool) agree bit for bit."""
     from concurrent.futures import ThreadPoolExecutor
-    monkeypatch.setattr(bw, "_PARALLEL_MIN_WORK", 0)
-    dout, q, k, v = _inputs(rng, 2, 2, 1, 90, 80, 16)
+    dout, q, k, v = _inputs(rng, 2, 2, 1, 90, 300, 16)
     out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
     want = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse)
     with ThreadPoolExecutor(4) as pool:
@@ -360,7 +401,7 @@ def test_concurrent_calls(rng, monkeypatch):
                 for i in range(8)]
         for f in futs:
             for a, b in zip(f.result(), want):
-                check_same(a, b, "float32", ulps=4)
+                assert a.tobytes() == b.tobytes()
 
 
 MEMORY_SCRIPT = """
@@ -494,7 +535,7 @@ def test_bshd_needs_4d():
 
 def test_errors_happen_before_any_work(monkeypatch):
     """Validation precedes the compute: a bad option late in the list still raises, nothing runs."""
-    monkeypatch.setattr(bw, "_task", lambda *a, **k: pytest.fail("compute ran"))
+    monkeypatch.setattr(bw._core, "run_backward", lambda *a, **k: pytest.fail("compute ran"))
     with pytest.raises(ValueError, match=arg("num_threads")):
         _call(_args(), causal=True, softcap=2.0, num_threads=-1)
 

@@ -16,9 +16,49 @@
 
 #include "../dispatch/registry.h"
 #include "../kernels/common/kernel.h"
+#include "driver.h"
 #include "pool.h"
 
 namespace fa2cpu {
+
+// Per-thread scratch, reused across calls (the pool keeps its threads alive).
+namespace {
+struct ThreadScratch {
+    float* ptr = nullptr;
+    int64_t floats = 0;
+    ~ThreadScratch() { std::free(ptr); }
+    float* get(int64_t n) {
+        if (n > floats) {
+            std::free(ptr);
+            ptr = static_cast<float*>(std::aligned_alloc(64, size_t(round_up(n, 16)) * 4));
+            floats = ptr ? n : 0;
+        }
+        return ptr;
+    }
+};
+thread_local ThreadScratch tls_scratch;
+}  // namespace
+
+float* thread_scratch(int64_t floats) { return tls_scratch.get(floats); }
+
+void check_params(const Params& p, const char* entry) {
+    auto fail = [entry](const std::string& what) { throw std::invalid_argument(std::string("fa2cpu::") + entry + ": " + what); };
+    if (p.dtype < 0 || p.dtype >= int(DType::count)) fail("dtype code out of range");
+    if (p.batch < 0 || p.hq < 0 || p.nq < 0 || p.nk < 0) fail("batch, hq, nq and nk must be >= 0");
+    if (p.hk < 1) fail("hk must be >= 1");
+    if (p.hq % p.hk) fail("hq must be a multiple of hk");
+    if (p.d < 1 || p.d > kMaxHeadDim || p.dv < 1 || p.dv > kMaxHeadDim)
+        fail("head dims d and dv must be in 1.." + std::to_string(kMaxHeadDim));
+    if (p.window_left < -1 || p.window_right < -1) fail("window bounds must be >= -1");
+    if (p.num_splits < 0) fail("num_splits must be >= 0");
+    if (p.mask_kind < 0 || p.mask_kind > 2 || (p.mask_kind != 0) != (p.mask != nullptr))
+        fail("mask_kind must be 0 without a mask, 1 or 2 with one");
+    if (p.block_table && p.block_size < 1) fail("block_size must be >= 1 with a block table");
+    if (!(p.scale == p.scale) || std::isinf(p.scale)) fail("scale must be finite");
+    if (!(p.softcap >= 0.f) || std::isinf(p.softcap)) fail("softcap must be finite and >= 0");
+    if (p.batch > 0 && p.hq > 0 && (!p.q || !p.k || !p.v || !p.out)) fail("q, k, v and out must be set");
+}
+
 namespace {
 
 // Split-KV policy (flash-decoding): with `num_splits = 0`, split the key axis only when the base
@@ -36,22 +76,6 @@ struct MergeGroup {
     int64_t part0;   // partial rows of split s start at part0 + s*rows
     int64_t splits;
 };
-
-// Per-thread scratch, reused across calls (the pool keeps its threads alive).
-struct ThreadScratch {
-    float* ptr = nullptr;
-    int64_t floats = 0;
-    ~ThreadScratch() { std::free(ptr); }
-    float* get(int64_t n) {
-        if (n > floats) {
-            std::free(ptr);
-            ptr = static_cast<float*>(std::aligned_alloc(64, size_t(round_up(n, 16)) * 4));
-            floats = ptr ? n : 0;
-        }
-        return ptr;
-    }
-};
-thread_local ThreadScratch tls_scratch;
 
 struct Plan {
     std::vector<WorkItem> items;
@@ -231,26 +255,8 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
 }
 
 
-// The invariants the Python layer promises, checked again here so that a future caller of the
-// C++ entry point cannot overrun a scratch buffer or divide by zero (std::invalid_argument becomes
-// a Python ValueError through the Cython `except +`).
-void check_params(const Params& p) {
-    auto fail = [](const std::string& what) { throw std::invalid_argument("fa2cpu::forward: " + what); };
-    if (p.dtype < 0 || p.dtype >= int(DType::count)) fail("dtype code out of range");
-    if (p.batch < 0 || p.hq < 0 || p.nq < 0 || p.nk < 0) fail("batch, hq, nq and nk must be >= 0");
-    if (p.hk < 1) fail("hk must be >= 1");
-    if (p.hq % p.hk) fail("hq must be a multiple of hk");
-    if (p.d < 1 || p.d > kMaxHeadDim || p.dv < 1 || p.dv > kMaxHeadDim)
-        fail("head dims d and dv must be in 1.." + std::to_string(kMaxHeadDim));
-    if (p.window_left < -1 || p.window_right < -1) fail("window bounds must be >= -1");
-    if (p.num_splits < 0) fail("num_splits must be >= 0");
-    if (p.mask_kind < 0 || p.mask_kind > 2 || (p.mask_kind != 0) != (p.mask != nullptr))
-        fail("mask_kind must be 0 without a mask, 1 or 2 with one");
-    if (p.block_table && p.block_size < 1) fail("block_size must be >= 1 with a block table");
-    if (!(p.scale == p.scale) || std::isinf(p.scale)) fail("scale must be finite");
-    if (!(p.softcap >= 0.f) || std::isinf(p.softcap)) fail("softcap must be finite and >= 0");
-    if (p.batch > 0 && p.hq > 0 && (!p.q || !p.k || !p.v || !p.out)) fail("q, k, v and out must be set");
-}
+// forward's contract (check_params, driver.h).
+void check_forward(const Params& p) { check_params(p, "forward"); }
 
 struct RunCtx {
     const Params* p;
@@ -283,7 +289,7 @@ thread_local SharedTileMemory tls_shared;
 
 void run_item_on_thread(int64_t i, void* c) {
     RunCtx& x = *static_cast<RunCtx*>(c);
-    float* scratch = tls_scratch.get(x.scratch_floats);
+    float* scratch = thread_scratch(x.scratch_floats);
     if (!scratch) {
         x.failed.store(1, std::memory_order_relaxed);
         return;
@@ -300,7 +306,7 @@ void merge_on_thread(int64_t g, void* c) {
 }  // namespace
 
 int forward(const Params& p) {
-    check_params(p);
+    check_forward(p);
     if (p.batch == 0 || p.hq == 0) return 0;  // nothing to compute (and hq / hk would be 0)
     const KernelTable& T = current_table();
     // More threads than CPUs never helps and thousands cannot be created: capped, never fatal.

@@ -252,7 +252,8 @@ double peak(int dtype, double seconds) {
 }  // namespace
 
 extern const KernelTable kTable_amx =
-    make_table(&peak, Avx512DecodeRoute::route("decode"), TileRoute<AmxLoop, Bf16Rows<kMinAmxRows>>::route("amx"),
+    make_table(&peak, BackwardRoute<BackwardLoop<V512>>(),
+               Avx512DecodeRoute::route("decode"), TileRoute<AmxLoop, Bf16Rows<kMinAmxRows>>::route("amx"),
                TileRoute<TileLoop<V512, Bf16Gemm<V512>>, Bf16Input>::route("bf16"),
                TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));
 

@@ -69,6 +69,7 @@ double peak(int, double seconds) { return fma_peak_gflops<V256>(seconds); }
 
 }  // namespace
 
-extern const KernelTable kTable_avx2 = make_table(&peak, TileRoute<TileLoop<V256, F32Gemm<V256>>>::route("f32"));
+extern const KernelTable kTable_avx2 = make_table(&peak, BackwardRoute<BackwardLoop<V256>>(),
+                                                  TileRoute<TileLoop<V256, F32Gemm<V256>>>::route("f32"));
 
 }  // namespace fa2cpu

@@ -15,6 +15,7 @@ double peak(int, double seconds) { return fma_peak_gflops<V512>(seconds); }
 }  // namespace
 
 extern const KernelTable kTable_avx512 =
-    make_table(&peak, Avx512DecodeRoute::route("decode"), TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));
+    make_table(&peak, BackwardRoute<BackwardLoop<V512>>(),
+               Avx512DecodeRoute::route("decode"), TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));
 
 }  // namespace fa2cpu

@@ -44,7 +44,8 @@ double peak(int dtype, double seconds) {
 }  // namespace
 
 extern const KernelTable kTable_avx512bf16 =
-    make_table(&peak, Avx512DecodeRoute::route("decode"), TileRoute<TileLoop<V512, Bf16Gemm<V512>>, Bf16Input>::route("bf16"),
+    make_table(&peak, BackwardRoute<BackwardLoop<V512>>(),
+               Avx512DecodeRoute::route("decode"), TileRoute<TileLoop<V512, Bf16Gemm<V512>>, Bf16Input>::route("bf16"),
                TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));
 
 }  // namespace fa2cpu

@@ -48,6 +48,7 @@ double peak(int, double seconds) { return fma_peak_gflops<VGeneric, 4>(seconds);
 
 }  // namespace
 
-extern const KernelTable kTable_generic = make_table(&peak, TileRoute<TileLoop<VGeneric, F32Gemm<VGeneric>>>::route("f32"));
+extern const KernelTable kTable_generic = make_table(&peak, BackwardRoute<BackwardLoop<VGeneric>>(),
+                                                     TileRoute<TileLoop<VGeneric, F32Gemm<VGeneric>>>::route("f32"));
 
 }  // namespace fa2cpu

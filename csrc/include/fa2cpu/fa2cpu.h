@@ -67,6 +67,25 @@ struct Params {
     int num_splits = 0;  // 0: automatic split of the key axis, 1: none, n: n splits
 };
 
+// One backward call (FlashAttention-2, paper Algorithm 2): the forward's description in `f`
+// (q, k, v, out, lse, sizes, cu_seqlens, scale, softcap, window, alibi, num_threads; no mask, no
+// KV cache: f.mask, f.block_table and f.seqlen_k must be null, f.num_splits is ignored) plus the
+// upstream gradient and the three gradients to write. All strides are in ELEMENTS.
+//   dout, dq: laid out like q/out (row i of sequence b, head h: f's query-row formula with these
+//             strides); dout has Dv features, dq D.
+//   dk, dv:   laid out like k/v (key position p of sequence b, kv head h: f's non-paged key
+//             formula with these strides); summed over the query heads of each GQA group.
+//   f.lse:    required, natural-log float32 (b, hq, row) as the forward wrote it; -inf rows (no
+//             visible key) contribute nothing.
+// dout/dq/dk/dv have f.dtype; every product is accumulated in float32.
+struct BackwardParams {
+    Params f;
+    const void* dout = nullptr; int64_t dout_batch_stride = 0, dout_head_stride = 0, dout_row_stride = 0, dout_dim_stride = 0;
+    void* dq = nullptr; int64_t dq_batch_stride = 0, dq_head_stride = 0, dq_row_stride = 0, dq_dim_stride = 0;
+    void* dk = nullptr; int64_t dk_batch_stride = 0, dk_head_stride = 0, dk_row_stride = 0, dk_dim_stride = 0;
+    void* dv = nullptr; int64_t dv_batch_stride = 0, dv_head_stride = 0, dv_row_stride = 0, dv_dim_stride = 0;
+};
+
 // The entry points take and return plain ints (Isa / DType codes) so the Cython layer needs no
 // C++ enum support.
 //
@@ -76,6 +95,12 @@ struct Params {
 // Returns 0 on success, nonzero on allocation failure. num_threads is capped at the CPUs the
 // process may use.
 int forward(const Params& p);
+
+// backward: writes dq, dk, dv of the loss sum(dout * out) for the call p.f describes, with the
+// family currently selected. Throws std::invalid_argument (before anything is written) when p
+// breaks the contract above or forward's; results are bit-identical for any num_threads.
+// Returns 0 on success, nonzero on allocation failure (outputs then unspecified).
+int backward(const BackwardParams& p);
 
 // Dispatch control (registry.cpp). available_isas fills `out` with the usable families, best first,
 // and returns their count.

@@ -84,29 +84,31 @@ struct F32Gemm : TransposedO<V> {
             for (int v = 0; v < NV; ++v) V::store(s + j * RB + v * W, acc[v][j]);
     }
 
-    // oT[j*M + v*W + lane] += sum_c s[c*RB + v*W + lane] * vt[c*ldv + j],  j < NDC
-    template <int NV, int NDC>
-    static inline void pv_micro(const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M) {
+    // oT[j*M + v*W + lane] += sum_c s[c*lds + v*W + lane] * vt[c*ldv + j*kVCol],  j < NDC
+    // (lds = RB, kVCol = 1 here; the backward's dV / dK products use other strides: backward_loop.h)
+    template <int NV, int NDC, int64_t kVCol = 1>
+    static inline void pv_micro(const float* s, int64_t nc, const float* vt, int64_t ldv, float* oT, int64_t M,
+                                int64_t lds = RB) {
         vec acc[NV][NDC];
-#pragma GCC unroll 8
+#pragma GCC unroll 24
         for (int j = 0; j < NDC; ++j)
-#pragma GCC unroll 8
+#pragma GCC unroll 24
             for (int v = 0; v < NV; ++v) acc[v][j] = V::load(oT + j * M + v * W);
         for (int64_t c = 0; c < nc; ++c) {
             vec pr[NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) pr[v] = V::load(s + c * RB + v * W);
+#pragma GCC unroll 24
+            for (int v = 0; v < NV; ++v) pr[v] = V::load(s + c * lds + v * W);
             const float* vc = vt + c * ldv;
-#pragma GCC unroll 8
+#pragma GCC unroll 24
             for (int j = 0; j < NDC; ++j) {
-                const vec vb = V::set1(vc[j]);
-#pragma GCC unroll 8
+                const vec vb = V::set1(vc[j * kVCol]);
+#pragma GCC unroll 24
                 for (int v = 0; v < NV; ++v) acc[v][j] = V::fma(pr[v], vb, acc[v][j]);
             }
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 24
         for (int j = 0; j < NDC; ++j)
-#pragma GCC unroll 8
+#pragma GCC unroll 24
             for (int v = 0; v < NV; ++v) V::store(oT + j * M + v * W, acc[v][j]);
     }
 

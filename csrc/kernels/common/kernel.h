@@ -83,6 +83,26 @@ struct Route {
     void (*run_item)(const Params& p, const WorkItem& it, const ItemContext& ctx);
 };
 
+// One unit of backward work (csrc/driver/backward.cpp, kernels/common/backward_loop.h): keys
+// [kb, ke) of kv head kv_head of sequence b against the rows that can see one of them: every
+// query head of the GQA group x query positions [i0, i1). Row r is head kv_head*G + r/(i1-i0),
+// query i0 + r%(i1-i0). The item writes dk/dv of its keys (its keys belong to no other item).
+// dq: part < 0: the item sees every key of the sequence and writes dq of all G x nq rows of its
+// kv head (zeros outside [i0, i1)); else it writes its float32 dq contribution, row-major
+// [r][d] (d < D), at dq_part + part, for the driver's fixed-order reduction.
+struct BackwardItem {
+    int32_t b, kv_head;
+    int64_t i0, i1;
+    int64_t kb, ke;
+    int64_t part;
+};
+// A family's backward (kernels/common/routes.h derives it from a BackwardLoop).
+struct BackwardKernel {
+    int64_t kv_tile;  // keys per K/V tile: the driver's key splits fall on multiples of it
+    int64_t (*scratch_floats)(const BackwardParams& p, int64_t keys);  // per-thread scratch, items of <= keys keys
+    void (*run_item)(const BackwardParams& p, const BackwardItem& it, float* scratch, float* dq_part);
+};
+
 // One row of the dispatch table (one per compiled family of catalogue.def).
 constexpr int kMaxRoutes = 4;
 struct KernelTable {
@@ -91,6 +111,7 @@ struct KernelTable {
     // One thread's peak of the family's main multiply-add instruction for dtype (DType code),
     // GFLOP/s, measured for about `seconds`.
     double (*peak_one_thread)(int dtype, double seconds);
+    BackwardKernel backward;
 };
 
 namespace {
@@ -151,6 +172,24 @@ inline void visible_range(const Params& p, int64_t nq, int64_t nk, int64_t i, in
 }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Visible keys of a row block, from its rows' ranges [first[r], last[r]] (r in [r0, rend)):
+// lo..hi is their union; every row sees all of [lo_max, hi_min] (lo_max = INT64_MAX when a row
+// sees nothing, so a block holding such a row always needs the per-row mask).
+struct BlockKeys {
+    int64_t lo, hi, lo_max, hi_min;
+};
+inline BlockKeys block_keys(const int64_t* first, const int64_t* last, int64_t r0, int64_t rend) {
+    BlockKeys k{INT64_MAX, INT64_MIN, INT64_MIN, INT64_MAX};
+    for (int64_t r = r0; r < rend; ++r) {
+        if (first[r] > last[r]) { k.lo_max = INT64_MAX; continue; }  // row sees nothing
+        k.lo = first[r] < k.lo ? first[r] : k.lo;
+        k.hi = last[r] > k.hi ? last[r] : k.hi;
+        k.lo_max = first[r] > k.lo_max ? first[r] : k.lo_max;
+        k.hi_min = last[r] < k.hi_min ? last[r] : k.hi_min;
+    }
+    return k;
+}
 
 // Spin-wait hint.
 inline void cpu_relax() {

@@ -56,5 +56,25 @@ struct TransposedO {
     }
 };
 
+// The visible-key bounds lo/hi and diagonals rl of the W rows rv.. relative to key c0, as float
+// vectors for the masks and alibi of a tile (tile_loop.h's epilogue, backward_loop.h's gradients):
+// lo/hi clamped to [-1, n] and key offsets c < n <= BC are exact in float32 whatever the positions.
+template <class V>
+struct RowBounds {
+    typename V::vec lo, hi, rl;
+};
+template <class V>
+inline RowBounds<V> row_bounds(const int64_t* first_key, const int64_t* last_key, const int64_t* diagonal, int64_t rv,
+                               int64_t c0, int64_t n) {
+    alignas(64) float lo_t[V::W], hi_t[V::W], rl_t[V::W];
+    for (int t = 0; t < V::W; ++t) {
+        const int64_t a = first_key[rv + t] - c0, z = last_key[rv + t] - c0;
+        lo_t[t] = float(a < -1 ? -1 : a > n ? n : a);
+        hi_t[t] = float(z < -1 ? -1 : z > n ? n : z);
+        rl_t[t] = float(diagonal[rv + t] - c0);
+    }
+    return RowBounds<V>{V::load(lo_t), V::load(hi_t), V::load(rl_t)};
+}
+
 }  // namespace
 }  // namespace fa2cpu

@@ -11,6 +11,7 @@
 // Selectors S: AnyInput, Bf16Input, Bf16Rows<n> (bf16 with >= n rows per kv head).
 #pragma once
 #include "kernel.h"
+#include "backward_loop.h"
 #include "tile_loop.h"
 
 namespace fa2cpu {
@@ -81,11 +82,18 @@ struct DecodeRoute {
     }
 };
 
-// The dispatch-table row of a family: its routes, best first (the last must serve everything).
-template <class... Routes>
-constexpr KernelTable make_table(double (*peak)(int, double), Routes... routes) {
+// A family's backward: one BackwardLoop<V> (backward_loop.h) serves every dtype and option.
+template <class Loop>
+struct BackwardRoute {
+    static constexpr BackwardKernel kernel() { return BackwardKernel{Loop::BC, &Loop::scratch_floats, &Loop::run_item}; }
+};
+
+// The dispatch-table row of a family: its backward and its forward routes, best first (the last
+// must serve everything).
+template <class Backward, class... Routes>
+constexpr KernelTable make_table(double (*peak)(int, double), Backward, Routes... routes) {
     static_assert(sizeof...(Routes) <= kMaxRoutes, "raise kMaxRoutes");
-    return KernelTable{{routes...}, int(sizeof...(Routes)), peak};
+    return KernelTable{{routes...}, int(sizeof...(Routes)), peak, Backward::kernel()};
 }
 
 }  // namespace

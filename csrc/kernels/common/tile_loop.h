@@ -135,14 +135,8 @@ struct TileLoop {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                 const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
                 // Skip blocks with no visible key in this tile; find whether masking is needed.
-                int64_t blo = INT64_MAX, bhi = INT64_MIN, blo_max = INT64_MIN, bhi_min = INT64_MAX;
-                for (int64_t r = r0; r < rend; ++r) {
-                    if (first_key[r] > last_key[r]) { blo_max = INT64_MAX; continue; }  // row sees nothing
-                    blo = first_key[r] < blo ? first_key[r] : blo;
-                    bhi = last_key[r] > bhi ? last_key[r] : bhi;
-                    blo_max = first_key[r] > blo_max ? first_key[r] : blo_max;
-                    bhi_min = last_key[r] < bhi_min ? last_key[r] : bhi_min;
-                }
+                const BlockKeys bk = block_keys(first_key, last_key, r0, rend);
+                const int64_t blo = bk.lo, bhi = bk.hi, blo_max = bk.lo_max, bhi_min = bk.hi_min;
                 if (blo > c0 + nc - 1 || bhi < c0) continue;
                 // Keys past every row's last visible key (the causal diagonal) are not computed.
                 const int64_t ncb = bhi - c0 + 1 < nc ? bhi - c0 + 1 : nc;
@@ -200,17 +194,9 @@ struct TileLoop {
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
         for (int v = 0; v < nv; ++v) {
             const int64_t rv = r0 + v * W;
-            // Row bounds and diagonals relative to the tile's first key c0: lo/hi clamped to
-            // [-1, nc] and key offsets c < nc <= BC are exact in float32 whatever the position.
-            alignas(64) float lo_t[W], hi_t[W], rl_t[W];
-            for (int t = 0; t < W; ++t) {
-                const int64_t a = first_key[rv + t] - c0, z = last_key[rv + t] - c0;
-                lo_t[t] = float(a < -1 ? -1 : a > nc ? nc : a);
-                hi_t[t] = float(z < -1 ? -1 : z > nc ? nc : z);
-                rl_t[t] = float(diagonal[rv + t] - c0);
-            }
-            const vec lo = V::load(lo_t), hi = V::load(hi_t);
-            const vec rl = V::load(rl_t), sl = V::load(slope + rv);
+            // Row bounds and diagonals relative to the tile's first key c0 (policy.h row_bounds).
+            const RowBounds<V> rb = row_bounds<V>(first_key, last_key, diagonal, rv, c0, nc);
+            const vec lo = rb.lo, hi = rb.hi, rl = rb.rl, sl = V::load(slope + rv);
             for (int64_t c = 0; c < nc; ++c) {
                 float* sp = s + c * RB + v * W;
                 vec x = V::load(sp);

@@ -1,0 +1,192 @@
+// The backward's driver: checks the BackwardParams contract, plans items (kernel.h BackwardItem),
+// runs them on the thread pool (pool.h) with per-thread scratch, then sums the dq partials of
+// split kv heads in a fixed order. Built with no -m flags; the family's BackwardLoop
+// (kernels/common/backward_loop.h, whose header explains the dQ choice) does the math.
+//
+// Determinism: the items, each item's loop order and the partial sums' order depend on the
+// shapes only, never on the thread count or on which thread runs what, so dq, dk, dv are
+// bit-identical for any num_threads.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../dispatch/registry.h"
+#include "../kernels/common/kernel.h"
+#include "driver.h"
+#include "pool.h"
+
+namespace fa2cpu {
+namespace {
+
+// Key-axis splits: a call aims at kTargetItems items (enough for 16 threads to balance causal
+// work, whose items differ in cost), splitting each (sequence, kv head) into at most
+// kMaxSplits key ranges of whole tiles. Both depend on shapes only (determinism); each split
+// costs one float32 copy of its rows' dq (the partials).
+constexpr int64_t kTargetItems = 64;
+constexpr int64_t kMaxSplits = 8;
+
+// A (sequence, kv head) whose dq is the sum of `count` split items' partials, in split order.
+struct DqGroup {
+    int32_t b, kv_head;
+    size_t first;  // the splits are Plan::split_items[first, first + count)
+    size_t count;
+};
+
+struct Plan {
+    std::vector<BackwardItem> items;   // longest first
+    std::vector<BackwardItem> split_items;
+    std::vector<DqGroup> groups;
+    int64_t part_floats = 0;
+    int64_t max_keys = 0;  // keys of the longest item (sizes the per-thread scratch)
+};
+
+// Query positions [i0, i1) of a sequence (nq x nk) that see at least one key of [kb, ke).
+void rows_seeing(const Params& p, int64_t nq, int64_t nk, int64_t kb, int64_t ke, int64_t* i0, int64_t* i1) {
+    if (kb >= ke) { *i0 = *i1 = 0; return; }
+    // row i sees [i + nk - nq - left, i + nk - nq + right]: i >= kb - (nk - nq) - right and
+    // i <= ke - 1 - (nk - nq) + left (saturating: bounds may be as large as an int64 allows)
+    const int64_t off = nk - nq;
+    int64_t a = p.window_right < 0 ? 0 : sat_sub(sat_sub(kb, off), p.window_right);
+    int64_t z = p.window_left < 0 ? nq - 1 : sat_add(sat_sub(ke - 1, off), p.window_left);
+    a = std::max<int64_t>(0, std::min(a, nq));
+    z = std::min(z, nq - 1);  // last row; the range is empty when z < a
+    z = z < a ? a : z + 1;
+    *i0 = a;
+    *i1 = z;
+}
+
+Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
+    const Params& p = bp.f;
+    Plan plan;
+    const int64_t G = p.hq / p.hk, tile = K.kv_tile;
+    const int64_t want = std::min(kMaxSplits, (kTargetItems + p.batch * p.hk - 1) / (p.batch * p.hk));
+    std::vector<double> cost;
+    for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
+        if (nq == 0 && nk == 0) continue;
+        const int64_t tiles = (nk + tile - 1) / tile;
+        // No split when there is nothing to split or no dq to produce.
+        const int64_t splits = nq == 0 ? std::max<int64_t>(1, tiles) : std::max<int64_t>(1, std::min(want, tiles));
+        for (int64_t h = 0; h < p.hk; ++h) {
+            const size_t first = plan.split_items.size();
+            for (int64_t s = 0; s < splits; ++s) {
+                BackwardItem it{int32_t(b), int32_t(h), 0, 0, 0, 0, -1};
+                it.kb = std::min(nk, (tiles * s / splits) * tile);
+                it.ke = std::min(nk, (tiles * (s + 1) / splits) * tile);
+                rows_seeing(p, nq, nk, it.kb, it.ke, &it.i0, &it.i1);
+                const int64_t rows = G * (it.i1 - it.i0);
+                if (splits > 1 && nq > 0) {
+                    it.part = plan.part_floats;
+                    plan.part_floats += rows * p.d;
+                    plan.split_items.push_back(it);
+                }
+                plan.max_keys = std::max(plan.max_keys, it.ke - it.kb);
+                plan.items.push_back(it);
+                // rows x keys is the tile work; the constant is the per-item overhead (packing).
+                cost.push_back(double(rows) * double(it.ke - it.kb + 64) + double(it.ke - it.kb));
+            }
+            if (splits > 1 && nq > 0)
+                plan.groups.push_back(DqGroup{int32_t(b), int32_t(h), first, plan.split_items.size() - first});
+        }
+    }
+    // Longest first, so the dynamic schedule ends with short items (causal work is triangular).
+    std::vector<size_t> order(plan.items.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+    std::vector<BackwardItem> sorted;
+    sorted.reserve(order.size());
+    for (size_t i : order) sorted.push_back(plan.items[i]);
+    plan.items.swap(sorted);
+    return plan;
+}
+
+// dq of one split (sequence, kv head): per row, the partials of the splits whose rows hold it,
+// summed in split order from 0.
+void reduce_group(const BackwardParams& bp, const Plan& plan, const DqGroup& g, const float* part) {
+    const Params& p = bp.f;
+    const int64_t G = p.hq / p.hk, D = p.d, nq = seq_nq(p, g.b);
+    const DType dt = DType(p.dtype);
+    FA2CPU_CHECK(D <= kMaxHeadDim);
+    float acc[kMaxHeadDim];
+    for (int64_t gh = 0; gh < G; ++gh) {
+        const int64_t h = g.kv_head * G + gh;
+        for (int64_t i = 0; i < nq; ++i) {
+            for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+            for (size_t s = 0; s < g.count; ++s) {
+                const BackwardItem& it = plan.split_items[g.first + s];
+                if (i < it.i0 || i >= it.i1) continue;
+                const float* row = part + it.part + (gh * (it.i1 - it.i0) + (i - it.i0)) * D;
+                for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
+            }
+            const int64_t at = q_row_offset(p, g.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
+            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, acc[d], dt);
+        }
+    }
+}
+
+void check_backward(const BackwardParams& bp) {
+    const Params& p = bp.f;
+    check_params(p, "backward");
+    auto fail = [](const std::string& what) { throw std::invalid_argument("fa2cpu::backward: " + what); };
+    if (p.mask || p.mask_kind) fail("the backward takes no mask");
+    if (p.block_table || p.seqlen_k) fail("the backward takes no KV cache (block_table, seqlen_k)");
+    if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr)) fail("cu_seqlens_q and cu_seqlens_k go together");
+    if (p.batch > 0 && p.hq > 0 && (!p.lse || !bp.dout || !bp.dq || !bp.dk || !bp.dv))
+        fail("lse, dout, dq, dk and dv must be set");
+}
+
+struct RunCtx {
+    const BackwardParams* p;
+    const BackwardKernel* K;
+    const Plan* plan;
+    float* part;
+    int64_t scratch_floats;
+    std::atomic<int> failed{0};
+};
+
+void run_item_on_thread(int64_t i, void* c) {
+    RunCtx& x = *static_cast<RunCtx*>(c);
+    if (float* scratch = thread_scratch(x.scratch_floats))
+        x.K->run_item(*x.p, x.plan->items[size_t(i)], scratch, x.part);
+    else
+        x.failed.store(1, std::memory_order_relaxed);  // backward() returns 1: MemoryError
+}
+
+void reduce_on_thread(int64_t g, void* c) {
+    RunCtx& x = *static_cast<RunCtx*>(c);
+    reduce_group(*x.p, *x.plan, x.plan->groups[size_t(g)], x.part);
+}
+
+}  // namespace
+
+int backward(const BackwardParams& bp) {
+    check_backward(bp);
+    const Params& p = bp.f;
+    if (p.batch == 0 || p.hq == 0) return 0;  // nothing to compute (and hq / hk would be 0)
+    const BackwardKernel& K = current_table().backward;
+    const int threads = std::max(1, std::min(p.num_threads, max_useful_threads()));
+    const Plan plan = make_plan(bp, K);
+    if (plan.items.empty()) return 0;
+    // dq partials of split kv heads (kernel.h BackwardItem::part), float32 row-major per item.
+    float* part = nullptr;
+    if (plan.part_floats > 0) {
+        part = static_cast<float*>(std::malloc(size_t(plan.part_floats) * sizeof(float)));
+        if (!part) return 1;
+    }
+    RunCtx ctx;
+    ctx.p = &bp;
+    ctx.K = &K;
+    ctx.plan = &plan;
+    ctx.part = part;
+    ctx.scratch_floats = K.scratch_floats(bp, plan.max_keys);
+    parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
+    if (!ctx.failed.load()) parallel_for(int64_t(plan.groups.size()), threads, &reduce_on_thread, &ctx);
+    std::free(part);
+    return ctx.failed.load() ? 1 : 0;
+}
+
+}  // namespace fa2cpu

@@ -1,0 +1,334 @@
+// The FlashAttention-2 backward (paper, Algorithm 2), written once and instantiated by every
+// family with its vector traits V (V512 in vec_avx512.h, V256 in avx2.cpp, VGeneric in
+// generic.cpp). Products run in float32 on the F32Gemm<V> micro-kernels (bf16/fp16 inputs are
+// converted while packing; AMX / vdpbf16ps backward micro-kernels are a later step).
+//
+// Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
+// [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
+// heads of the GQA group x query positions [i0, i1)). dK and dV of its keys accumulate in scratch
+// over every row and are written once: the GQA sum and the key ownership need no synchronisation.
+//
+// dQ without atomics: each item accumulates dQ^T of its rows over its keys in scratch. When the
+// driver gives a (sequence, kv head) one item (every key), that item writes dq itself; otherwise
+// the key axis is split into a number of items fixed by the shapes alone (never by the thread
+// count) and each writes its float32 dQ rows to a partial buffer, which the driver sums in split
+// order. Chosen over a second pass that owns dQ per query tile: the second pass recomputes S, P
+// and dP (3 of the 5 tile products again, 7 products instead of 5, ~1.4x the FLOPs), while the
+// partials cost one float32 copy of dq per split (O(N*D)) and one streaming sum. Both orders are
+// fixed, so results are bit-identical for any thread count.
+//
+// Loop order: row groups of kGroupRows rows (V::MAX_ROWS, the forward's item size) outer, key
+// tiles of BC keys inner, so a group's Q / dO / dQ panels stay in L2 while every K/V tile of the
+// item streams past them (measured: packing all rows of a 2048-row item and looping key tiles
+// outer ran the same micro-kernels at 44 instead of 62 GFLOP/s, the panels coming from L3).
+//
+// Scratch (floats, laid out by `layout`; rows >= the group's real rows are padding):
+//   kall [nkeys][ldq], vall [nkeys][ldo]: the item's K / V, float32 row-major, ldq / ldo = D / Dv
+//                   rounded up to W (packed once per item: strides and dtype conversion end here)
+//   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys
+//   per row group (GR = kGroupRows rows, in row blocks of RB = RV*W rows):
+//   qT  panels [D][RB]   Q transposed, one contiguous panel per row block (rows in lanes:
+//                        S^T = K Q^T, the forward's qk micro-kernel)
+//   qr  [GR][ldq]        Q row-major, zero padded (dK += dS^T Q, features in lanes)
+//   doT panels [Dv][RB]  dO transposed (dP^T = V dO^T)
+//   dor [GR][ldo]        dO row-major (dV += P^T dO)
+//   dqT panels [D][RB]   dQ^T accumulator (dQ^T += K^T dS^T, the forward's pv micro-kernel)
+//   lse2, delta, slope [GR]: log2-domain LSE (+inf: the row contributes nothing), D_i =
+//                        rowsum(dO o O), alibi slope * log2(e)
+//   first_key, last_key, diagonal [GR] int64: visible keys of the row within [kb, ke), its diagonal
+//   s, dp [BC][RB]: S then P, dP then dS, of one row block (key c, row lane r at c*RB + r)
+//
+// Per (key tile, row block) with visible keys, on the sub-range [cb, ce) of keys some row of the
+// block sees: S^T = K Q^T, dP^T = V dO^T; P = exp2(scale' s - lse2), dS = scale P (dP - D_i)
+// (times 1 - tanh^2 with softcap), both exactly 0 outside each row's visible range; then
+// dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T. No Nq x Nk buffer exists.
+#pragma once
+#include "gemm_f32.h"
+#include "kernel.h"
+
+namespace fa2cpu {
+namespace {
+
+template <class V>
+struct BackwardLoop {
+    using G = F32Gemm<V>;
+    using vec = typename V::vec;
+    static constexpr int W = V::W;
+    static constexpr int RV = G::RV;   // row vectors per row block
+    static constexpr int RB = G::RB;   // rows per row block
+    static constexpr int64_t BC = G::BC;
+    // Accumulator registers of the forward's micro-tiles (RV x NK): the dV/dK micro-kernel keeps
+    // as many, NJ feature vectors x kAcc/NJ keys (V512: 4 x 6 at D = 128, + 4 loads + 1 broadcast).
+    static constexpr int kAcc = V::RV * V::NK;
+    static constexpr int kMaxNJ = V::RV;
+
+    static constexpr int64_t kGroupRows = V::MAX_ROWS;
+    static_assert(kGroupRows % RB == 0, "row groups are whole row blocks");
+
+    struct Layout {
+        int64_t ldq, ldo;
+        int64_t kall, vall, dkall, dvall;
+        int64_t qT, qr, doT, dor, dqT, lse2, delta, slope, first_key, last_key, diagonal, s, dp, total;
+    };
+    static Layout layout(const BackwardParams& bp, int64_t keys) {
+        const Params& p = bp.f;
+        Layout L;
+        L.ldq = round_up(p.d, W);
+        L.ldo = round_up(p.dv, W);
+        int64_t o = 0;
+        auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
+        L.kall = take(keys * L.ldq);
+        L.vall = take(keys * L.ldo);
+        L.dkall = take(keys * L.ldq);
+        L.dvall = take(keys * L.ldo);
+        L.qT = take(p.d * kGroupRows);
+        L.qr = take(kGroupRows * L.ldq);
+        L.doT = take(p.dv * kGroupRows);
+        L.dor = take(kGroupRows * L.ldo);
+        L.dqT = take(p.d * kGroupRows);
+        L.lse2 = take(kGroupRows);
+        L.delta = take(kGroupRows);
+        L.slope = take(kGroupRows);
+        L.first_key = take(2 * kGroupRows);  // int64
+        L.last_key = take(2 * kGroupRows);
+        L.diagonal = take(2 * kGroupRows);
+        L.s = take(BC * RB);
+        L.dp = take(BC * RB);
+        L.total = o;
+        return L;
+    }
+    // Per-thread scratch of an item of `keys` keys (rows do not matter: they go by row groups).
+    static int64_t scratch_floats(const BackwardParams& p, int64_t keys) { return layout(p, keys).total; }
+    // Index of (row r, feature f) in row-block panels of `features` x RB (row block r0 starts at r0 * features).
+    static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
+
+    // ---- dV += P^T dO / dK += dS^T Q: features in lanes, P / dS broadcast -----------------------
+    // acc[c*lda + j*W + lane] += sum_{r < rows} pt[c*RB + r] * x[r*ldx + j*W + lane],  c < NC, j < NJ:
+    // the forward's P V micro-kernel with X in the role of P (row stride ldx) and P^T in the role
+    // of V (keys RB apart).
+    template <int NC, int NJ>
+    static inline void tn_micro(const float* pt, int64_t rows, const float* x, int64_t ldx, float* acc, int64_t lda) {
+        G::template pv_micro<NJ, NC, RB>(x, rows, pt, 1, acc, lda, ldx);
+    }
+    // n keys in blocks of kAcc/NJ, the remainder one key at a time.
+    template <int NJ>
+    static void tn_keys(int64_t n, int64_t rows, const float* pt, const float* x, int64_t ldx, float* acc, int64_t lda) {
+        constexpr int NC = kAcc / NJ > 0 ? kAcc / NJ : 1;
+        int64_t c = 0;
+        for (; c + NC <= n; c += NC) tn_micro<NC, NJ>(pt + c * RB, rows, x, ldx, acc + c * lda, lda);
+        for (; c < n; ++c) tn_micro<1, NJ>(pt + c * RB, rows, x, ldx, acc + c * lda, lda);
+    }
+    template <int NJ = kMaxNJ>
+    static void tn_nj(int nj, int64_t n, int64_t rows, const float* pt, const float* x, int64_t ldx, float* acc, int64_t lda) {
+        if constexpr (NJ >= 1) {
+            if (nj == NJ) tn_keys<NJ>(n, rows, pt, x, ldx, acc, lda);
+            else tn_nj<NJ - 1>(nj, n, rows, pt, x, ldx, acc, lda);
+        }
+    }
+    // acc [n][lda] += P^T X over `rows` rows; X row-major with `vectors` W-wide feature vectors
+    // (zero padded), cut into equal chunks of at most kMaxNJ vectors.
+    static void tn(int64_t n, int64_t rows, const float* pt, const float* x, int64_t ldx, int64_t vectors, float* acc,
+                   int64_t lda) {
+        const int64_t chunks = (vectors + kMaxNJ - 1) / kMaxNJ;
+        const int64_t per = (vectors + chunks - 1) / chunks;
+        for (int64_t j = 0; j < vectors; j += per) {
+            const int nj = int(vectors - j < per ? vectors - j : per);
+            tn_nj(nj, n, rows, pt, x + j * W, ldx, acc + j * W, lda);
+        }
+    }
+
+    // ---- the item --------------------------------------------------------------------------
+    static void run_item(const BackwardParams& bp, const BackwardItem& it, float* scratch, float* dq_part) {
+        const Params& p = bp.f;
+        FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffer below
+        const int64_t b = it.b, group = p.hq / p.hk, D = p.d, Dv = p.dv;
+        const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
+        const int64_t nqi = it.i1 - it.i0, R = group * nqi, nkeys = it.ke - it.kb;
+        const Layout L = layout(bp, nkeys);
+        const int64_t ldq = L.ldq, ldo = L.ldo;
+        // Scratch regions by offset (`layout`); positions are int64 (exact beyond 2^24 keys).
+        auto at = [scratch](int64_t offset) { return scratch + offset; };
+        auto at64 = [scratch](int64_t offset) { return reinterpret_cast<int64_t*>(scratch + offset); };
+        float* kall = at(L.kall);
+        float* vall = at(L.vall);
+        float* dkall = at(L.dkall);
+        float* dvall = at(L.dvall);
+        float* qT = at(L.qT);
+        float* qr = at(L.qr);
+        float* doT = at(L.doT);
+        float* dor = at(L.dor);
+        float* dqT = at(L.dqT);
+        float* lse2 = at(L.lse2);
+        float* delta = at(L.delta);
+        float* slope = at(L.slope);
+        int64_t* first_key = at64(L.first_key);
+        int64_t* last_key = at64(L.last_key);
+        int64_t* diagonal = at64(L.diagonal);
+        float* s = at(L.s);
+        float* dp = at(L.dp);
+        const DType dt = DType(p.dtype);
+
+        const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
+        for (int64_t c = 0; c < nkeys; ++c) {
+            V::load_row(kall + c * ldq, elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt),
+                        D, p.k_dim_stride, dt);
+            V::load_row(vall + c * ldo, elem_ptr(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head, dt),
+                        Dv, p.v_dim_stride, dt);
+        }
+        for (int64_t x = 0; x < nkeys * ldq; ++x) dkall[x] = 0.f;
+        for (int64_t x = 0; x < nkeys * ldo; ++x) dvall[x] = 0.f;
+        if (it.part < 0) zero_dq_outside(bp, it);
+
+        const int64_t qvecs = ldq / W, ovecs = ldo / W;
+        for (int64_t g0 = 0; g0 < R; g0 += kGroupRows) {
+            const int64_t GRr = R - g0 < kGroupRows ? R - g0 : kGroupRows;  // real rows of the group
+            const int64_t M = round_up(GRr, W);
+            // Rows: pack Q and dO in both layouts, D_i, log2 LSE, visible ranges, alibi.
+            int64_t glo = it.ke, ghi = it.kb - 1;
+            for (int64_t r = 0; r < M; ++r) {
+                float orow[kMaxHeadDim];
+                float* qd = qr + r * ldq;
+                float* od = dor + r * ldo;
+                for (int64_t d = 0; d < ldq; ++d) qd[d] = 0.f;
+                for (int64_t j = 0; j < ldo; ++j) od[j] = 0.f;
+                if (r >= GRr) {  // padding: zero operands, P = 0, never decides a skip
+                    for (int64_t d = 0; d < D; ++d) qT[panel(r, D, d)] = 0.f;
+                    for (int64_t j = 0; j < Dv; ++j) doT[panel(r, Dv, j)] = 0.f;
+                    lse2[r] = INFINITY; delta[r] = 0.f; slope[r] = 0.f;
+                    first_key[r] = 0; last_key[r] = nk; diagonal[r] = 0;
+                    continue;
+                }
+                const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
+                const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
+                V::load_row(qd, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
+                for (int64_t d = 0; d < D; ++d) qT[panel(r, D, d)] = qd[d];
+                const int64_t do_at = q_row_offset(p, b, i, bp.dout_batch_stride, bp.dout_row_stride) + h * bp.dout_head_stride;
+                const int64_t o_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
+                V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
+                V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
+                float dsum = 0.f;
+                for (int64_t j = 0; j < Dv; ++j) {
+                    doT[panel(r, Dv, j)] = od[j];
+                    dsum += od[j] * orow[j];
+                }
+                delta[r] = dsum;
+                const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
+                lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
+                int64_t lo, hi;
+                visible_range(p, nq, nk, i, &lo, &hi);
+                first_key[r] = lo < it.kb ? it.kb : lo;
+                last_key[r] = hi > it.ke - 1 ? it.ke - 1 : hi;
+                if (first_key[r] <= last_key[r]) {
+                    glo = first_key[r] < glo ? first_key[r] : glo;
+                    ghi = last_key[r] > ghi ? last_key[r] : ghi;
+                }
+                diagonal[r] = nk + (i - nq);
+                slope[r] = p.alibi ? -p.alibi[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e : 0.f;
+            }
+            for (int64_t x = 0; x < D * round_up(M, RB); ++x) dqT[x] = 0.f;
+
+            for (int64_t c0 = glo; c0 <= ghi; c0 += BC) {
+                const int64_t nc = ghi + 1 - c0 < BC ? ghi + 1 - c0 : BC;
+                for (int64_t r0 = 0; r0 < M; r0 += RB) {
+                    const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
+                    const int64_t rend = (r0 + nv * W < GRr) ? r0 + nv * W : GRr;
+                    // The keys of this tile some row of the block sees: [cb, ce); mask when a row sees less.
+                    const BlockKeys bk = block_keys(first_key, last_key, r0, rend);
+                    const int64_t cb = bk.lo > c0 ? bk.lo : c0;
+                    const int64_t ce = (bk.hi < c0 + nc - 1 ? bk.hi : c0 + nc - 1) + 1;
+                    if (cb >= ce) continue;
+                    const int64_t n = ce - cb, ck = cb - it.kb;  // ck: index of key cb in the item's arrays
+                    const bool range_mask = bk.lo_max > cb || bk.hi_min < ce - 1;
+                    G::qk_nv(nv, qT + r0 * D, RB, kall + ck * ldq, ldq, D, n, s);
+                    G::qk_nv(nv, doT + r0 * Dv, RB, vall + ck * ldo, ldo, Dv, n, dp);
+                    gradients(p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
+                    const int64_t rows = rend - r0;
+                    tn(n, rows, s, dor + r0 * ldo, ldo, ovecs, dvall + ck * ldo, ldo);
+                    tn(n, rows, dp, qr + r0 * ldq, ldq, qvecs, dkall + ck * ldq, ldq);
+                    G::pv_nv(nv, dp, n, kall + ck * ldq, ldq, D, dqT + r0 * D, RB);
+                }
+            }
+            store_dq(bp, it, g0, GRr, dqT, dq_part);
+        }
+        for (int64_t c = 0; c < nkeys; ++c) {
+            const int64_t k_at = k_row_offset(p, b, it.kb + c, bp.dk_batch_stride, bp.dk_row_stride) + it.kv_head * bp.dk_head_stride;
+            const int64_t v_at = k_row_offset(p, b, it.kb + c, bp.dv_batch_stride, bp.dv_row_stride) + it.kv_head * bp.dv_head_stride;
+            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dk, k_at + d * bp.dk_dim_stride, dkall[c * ldq + d], dt);
+            for (int64_t j = 0; j < Dv; ++j) store_scalar(bp.dv, v_at + j * bp.dv_dim_stride, dvall[c * ldo + j], dt);
+        }
+    }
+
+    // S, dP of a row block (keys [cb, cb + n)) -> P (in s) and dS (in dp), dS already carrying the
+    // score scale (and softcap's 1 - tanh^2): dQ and dK need no final scaling. Invisible keys get
+    // exactly 0 in both, whatever the scores (NaN or inf in a hidden key stays out).
+    static void gradients(const Params& p, int nv, int64_t r0, int64_t cb, int64_t n, bool range_mask,
+                          const int64_t* first_key, const int64_t* last_key, const int64_t* diagonal,
+                          const float* slope, const float* lse2, const float* delta, float* s, float* dp) {
+        const bool use_softcap = p.softcap > 0.f, alibi = p.alibi != nullptr;
+        const vec qs = V::set1(use_softcap ? p.scale / p.softcap : p.scale * kLog2e);
+        const vec cap = V::set1(p.softcap * kLog2e), one = V::set1(1.f), ds_scale = V::set1(p.scale), zero = V::zero();
+        for (int v = 0; v < nv; ++v) {
+            const int64_t rv = r0 + v * W;
+            // Row bounds and diagonals relative to cb (policy.h row_bounds).
+            const RowBounds<V> rb = row_bounds<V>(first_key, last_key, diagonal, rv, cb, n);
+            const vec lo = rb.lo, hi = rb.hi, rl = rb.rl, sl = V::load(slope + rv);
+            const vec l2 = V::load(lse2 + rv), di = V::load(delta + rv);
+            for (int64_t c = 0; c < n; ++c) {
+                float* sp = s + c * RB + v * W;
+                float* dpp = dp + c * RB + v * W;
+                vec x = V::mul(V::load(sp), qs);
+                vec t = zero;
+                if (use_softcap) {
+                    t = V::tanh(x);
+                    x = V::mul(cap, t);
+                }
+                const vec kc = V::set1(float(c));
+                if (alibi) x = V::fma(sl, V::abs(V::sub(rl, kc)), x);
+                vec pr = V::exp2(V::sub(x, l2));
+                vec ds = V::mul(V::mul(pr, V::sub(V::load(dpp), di)), ds_scale);
+                if (use_softcap) ds = V::mul(ds, V::sub(one, V::mul(t, t)));
+                if (range_mask) {
+                    pr = V::mask_outside(pr, kc, lo, hi, zero);
+                    ds = V::mask_outside(ds, kc, lo, hi, zero);
+                }
+                V::store(sp, pr);
+                V::store(dpp, ds);
+            }
+        }
+    }
+
+    // dq of the rows [g0, g0 + rows) of the item: final (dtype) rows when it owns its kv head's dq,
+    // else its float32 partial rows.
+    static void store_dq(const BackwardParams& bp, const BackwardItem& it, int64_t g0, int64_t rows, const float* dqT,
+                         float* dq_part) {
+        const Params& p = bp.f;
+        const int64_t D = p.d, group = p.hq / p.hk, nqi = it.i1 - it.i0;
+        if (it.part >= 0) {
+            float* out = dq_part + it.part + g0 * D;
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t d = 0; d < D; ++d) out[r * D + d] = dqT[panel(r, D, d)];
+            return;
+        }
+        const DType dt = DType(p.dtype);
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
+            const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
+            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, dqT[panel(r, D, d)], dt);
+        }
+    }
+    // Zero dq rows of the item's kv head that see none of its keys (it owns that head's dq).
+    static void zero_dq_outside(const BackwardParams& bp, const BackwardItem& it) {
+        const Params& p = bp.f;
+        const int64_t D = p.d, group = p.hq / p.hk, nq = seq_nq(p, it.b);
+        for (int64_t g = 0; g < group; ++g)
+            for (int64_t i = 0; i < nq; ++i) {
+                if (i >= it.i0 && i < it.i1) continue;
+                const int64_t h = it.kv_head * group + g;
+                const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
+                for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, 0.f, DType(p.dtype));
+            }
+    }
+};
+
+}  // namespace
+}  // namespace fa2cpu
