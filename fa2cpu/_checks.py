@@ -221,6 +221,36 @@ def _alibi(alibi_slopes, batch, hq):
     return _fix_strides(a)
 
 
+def _sinks(sinks, hq):
+    """-> a private float32 (hq,) copy of the attention sinks, or None. Raw logits, one per query
+    head; values must fit float32 (-inf means no sink, +inf and NaN propagate into that head)."""
+    if sinks is None:
+        return None
+    a = _array("sinks", sinks)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"sinks: dtype {a.dtype} is not supported; expected float32 (one logit per query head)")
+    if a.shape != (hq,):
+        raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got {a.shape}")
+    with np.errstate(invalid="ignore", over="ignore"):
+        wide = np.asarray(a, np.float64)
+        big = np.isfinite(wide) & (np.abs(wide) > float(np.finfo(np.float32).max))
+    if np.any(big):
+        raise ValueError(f"sinks: values must fit float32, got {float(np.abs(wide[big]).max()):g}")
+    return np.array(a, dtype=np.float32)  # a copy: out= can never alias it
+
+
+def _dsinks(sinks, dout_rows, out_rows, lse_rows):
+    """Gradient of sum(dout * out) in the sinks (API.md): dsinks[h] = -sum_i exp(sinks[h] - lse_i)
+    * sum_d(dout_i * out_i). ``*_rows`` are views with the query head on axis -2 of dout/out rows
+    ``(..., H, Dv)`` and on the last axis of lse ``(..., H)``; float64 sums, float32 result."""
+    delta = np.einsum("...hd,...hd->...h", dout_rows.astype(np.float64), out_rows.astype(np.float64))
+    lse = lse_rows.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weight = np.exp(sinks.astype(np.float64) - lse)
+    weight[np.isneginf(lse) & np.isneginf(sinks)[(None,) * (lse.ndim - 1)]] = 0.0  # no sink, no key: no term
+    return (-(weight * delta).reshape(-1, len(sinks)).sum(axis=0)).astype(np.float32)
+
+
 def _mask(mask, shape):
     """-> (4-D view broadcast to `shape` with zero strides, kind) with kind 1 = bool, 2 = float."""
     if mask is None:

@@ -87,6 +87,7 @@ cdef void _fill(Params* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndar
         p.alibi = <const float*>cnp.PyArray_DATA(a)
         p.alibi_batch_stride = cnp.PyArray_STRIDES(a)[0] // 4
         p.alibi_head_stride = cnp.PyArray_STRIDES(a)[1] // 4
+    p.sinks = NULL
     p.mask = NULL
     p.mask_kind = 0
     p.cu_seqlens_q = NULL
@@ -107,11 +108,12 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         double scale, double softcap, int64_t win_left, int64_t win_right,
         object alibi, object mask, int mask_kind,
         object cu_q, object cu_k, object seqlen_k, object block_table, int64_t block_size,
-        int num_threads, int num_splits):
+        int num_threads, int num_splits, object sinks=None):
     """q, k, v, out: 4-D views in (batch, head, position, feature) order (varlen/paged views
     described in csrc/include/fa2cpu/fa2cpu.h); lse: float32 3-D (batch, head, row) view or None;
     alibi: float32 2-D (batch, head) view or None; mask: 4-D uint8/float32 view or None;
-    cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None."""
+    cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None; sinks: float32
+    contiguous (hq,) or None."""
     cdef Params p
     cdef int64_t s[4]
     cdef cnp.ndarray a
@@ -129,6 +131,9 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     if seqlen_k is not None:
         a = seqlen_k
         p.seqlen_k = <const int64_t*>cnp.PyArray_DATA(a)
+    if sinks is not None:
+        a = sinks
+        p.sinks = <const float*>cnp.PyArray_DATA(a)
     if block_table is not None:
         a = block_table
         p.block_table = <const int32_t*>cnp.PyArray_DATA(a)

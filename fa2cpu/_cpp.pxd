@@ -25,6 +25,7 @@ cdef extern from "fa2cpu/fa2cpu.h" namespace "fa2cpu" nogil:
         int64_t window_left, window_right
         const float* alibi
         int64_t alibi_batch_stride, alibi_head_stride
+        const float* sinks
         int mask_kind
         const void* mask
         int64_t mask_batch_stride, mask_head_stride, mask_query_stride, mask_key_stride

@@ -104,9 +104,19 @@ def _attention_bhsd(q, k, v, *, causal, scale, window, softcap, alibi_slopes, ma
     return out, lse
 
 
+def _with_sinks(out, lse, sinks):
+    """Adds attention sinks (one raw logit per query head, no value) to a bhsd result:
+    lse' = log(exp(lse) + exp(sink)), out' = out * exp(lse - lse')."""
+    sink = _f64(sinks)[None, :, None]
+    with np.errstate(invalid="ignore"):
+        new = np.logaddexp(lse, sink)
+        factor = np.where(np.isneginf(lse), 0.0, np.exp(lse - new))
+    return out * factor[..., None], new
+
+
 def attention_ref(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=None,
-                  alibi_slopes=None, mask=None, layout="bhsd"):
-    """Float64 reference of ``fa2cpu.flash_attention``.
+                  alibi_slopes=None, mask=None, layout="bhsd", sinks=None):
+    """Float64 reference of ``fa2cpu.flash_attention`` (``sinks``: (Hq,) attention sinks).
 
     Returns ``(out, lse)``: ``out`` float64 in q's layout and rank (last dim Dv), ``lse`` float64
     ``(B, Hq, Nq)`` / ``(Hq, Nq)`` / ``(Nq,)`` for 4-D / 3-D / 2-D input.
@@ -126,6 +136,8 @@ def attention_ref(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap
         raise ValueError(f"reference: rank {rank}")
     out, lse = _attention_bhsd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                                alibi_slopes=alibi_slopes, mask=mask)
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
     if layout == "bshd":
         out = out.transpose(0, 2, 1, 3)
     elif rank in (2, 3):
@@ -231,7 +243,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, bloc
 
 
 def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=None,
-                           alibi_slopes=None, layout="bhsd"):
+                           alibi_slopes=None, layout="bhsd", sinks=None):
     """Float64 reference of ``fa2cpu.flash_attention_backward``: analytic gradients of
     :func:`attention_ref` (no mask) for the loss ``sum(out * dout)``.
 
@@ -244,7 +256,9 @@ def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-
         dS *= 1 - tanh(s_raw / softcap)^2    softcap chain rule, s_raw = scale * q.k
         dQ  = scale * dS K,  dK = scale * dS^T Q
 
-    Alibi is a constant bias (no gradient); rows that see no key contribute nothing.
+    Alibi is a constant bias (no gradient); rows that see no key contribute nothing. With
+    ``sinks`` (one logit per query head, no value) P shares each row's denominator with the sink
+    and ``(dq, dk, dv, dsinks)`` is returned, dsinks[h] = -sum_i P_sink,i * rowsum(dO * O)_i.
     Returns ``(dq, dk, dv)`` float64 with the shapes of q, k, v (any rank / layout they have).
     """
     dout, q, k, v = _f64(dout), _f64(q), _f64(k), _f64(v)
@@ -270,6 +284,7 @@ def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-
         slopes = np.broadcast_to(_f64(alibi_slopes), (B, Hq)) if np.ndim(alibi_slopes) == 1 else _f64(alibi_slopes)
         dist = np.abs(np.arange(Nq)[:, None] + Nk - Nq - np.arange(Nk)[None, :]).astype(np.float64)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    dsinks = np.zeros(Hq)
     for b in range(B):
         for h in range(Hq):
             hk = h // group
@@ -282,13 +297,23 @@ def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-
             if alibi_slopes is not None:
                 s = s - slopes[b, h] * dist
             s = np.where(band, s, -np.inf)
-            live = ~np.all(np.isneginf(s), axis=1)
             p = np.zeros_like(s)
-            if live.any():
-                sl = s[live]
-                e = np.exp(sl - sl.max(axis=1, keepdims=True))
-                p[live] = e / e.sum(axis=1, keepdims=True)
             do = dout[b, h]
+            if sinks is not None:  # the sink as one more column of s, with no value
+                sink = np.full((Nq, 1), float(sinks[h]))
+                full = np.concatenate([s, sink], axis=1)
+                live = ~np.all(np.isneginf(full), axis=1)
+                e = np.zeros_like(full)
+                e[live] = np.exp(full[live] - full[live].max(axis=1, keepdims=True))
+                e[live] /= e[live].sum(axis=1, keepdims=True)
+                p = e[:, :-1]
+                dsinks[h] -= (e[:, -1] * ((p @ v[b, hk]) * do).sum(axis=1)).sum()
+            else:
+                live = ~np.all(np.isneginf(s), axis=1)
+                if live.any():
+                    sl = s[live]
+                    e = np.exp(sl - sl.max(axis=1, keepdims=True))
+                    p[live] = e / e.sum(axis=1, keepdims=True)
             dv[b, hk] += p.T @ do
             dp = do @ v[b, hk].T
             ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))
@@ -300,4 +325,4 @@ def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-
         dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
     elif rank in (2, 3):
         dq, dk, dv = (x.reshape(x.shape[4 - rank:]) for x in (dq, dk, dv))
-    return dq, dk, dv
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, dsinks)

@@ -48,6 +48,7 @@ class Problem(NamedTuple):
     block_size: int                          # rows of a cache block (contiguous: the capacity)
     num_threads: int
     num_splits: int                          # key-axis splits (flash-decoding), 0 = automatic
+    sinks: Optional[np.ndarray] = None       # float32 (q_heads,) attention sinks (_checks._sinks)
 
 
 class Append(NamedTuple):
@@ -281,7 +282,7 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     # _make of a tuple in field order: keywords would cost ~1.5 us on the per-token path.
     return Problem._make((q4, k_cache4, v_cache4, out.transpose(0, 2, 1, 3) if layout == "bshd" else out,
                           dtype_code, B, Hq, Hk, Nq, capacity, scale, softcap, left, right, None, None, 0, None,
-                          None, kv_seqlens, table, block_size, threads, num_splits)), out, append
+                          None, kv_seqlens, table, block_size, threads, num_splits, None)), out, append
 
 
 def _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,

@@ -4,6 +4,7 @@ enum are in fa2cpu/_checks.py (_DTYPES)."""
 import numpy as np
 
 from . import _core
+from ._checks import _sinks
 from ._validate import attention_problem, kvcache_problem, kvcache_problem_lean, varlen_problem
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
@@ -14,12 +15,17 @@ def _launch(problem, lse):
     q_heads, rows) view to fill, or None."""
     (q, k, v, out, dtype_code, batch, q_heads, kv_heads, q_length, kv_length, scale, softcap, window_left,
      window_right, alibi_slopes, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, kv_seqlens, block_table, block_size,
-     num_threads, num_splits) = problem
+     num_threads, num_splits, sinks) = problem
     _core.run(q, k, v, out, lse, dtype=dtype_code, batch=batch, hq=q_heads, hk=kv_heads, nq=q_length, nk=kv_length,
               scale=scale, softcap=softcap, win_left=window_left, win_right=window_right,
               alibi=alibi_slopes, mask=mask, mask_kind=mask_kind, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
               seqlen_k=kv_seqlens, block_table=block_table, block_size=block_size, num_threads=num_threads,
-              num_splits=num_splits)
+              num_splits=num_splits, sinks=sinks)
+
+
+def _with_sinks(problem, sinks):
+    """The problem with its attention sinks checked and attached (no-op for None)."""
+    return problem if sinks is None else problem._replace(sinks=_sinks(sinks, problem.q_heads))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -27,7 +33,7 @@ def _launch(problem, lse):
 # ---------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=None,
                     alibi_slopes=None, mask=None, return_lse=False, layout="bhsd",
-                    num_threads=None, out=None):
+                    num_threads=None, out=None, sinks=None):
     """Exact attention ``softmax(scale * q @ k^T + bias) @ v`` with FlashAttention-2 tiling.
 
     Parameters
@@ -64,6 +70,11 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
         ``threadpoolctl.threadpool_limits(n, user_api="openmp")``). The GIL is released.
     out : ndarray, optional
         Written in place and returned; exact shape (q's with last dim Dv) and dtype.
+    sinks : array_like, optional
+        float32 ``(Hq,)`` attention sinks (gpt-oss): one raw logit per query head (no scale,
+        softcap or ALiBi) that joins every row's softmax denominator with no value vector:
+        ``lse_i = log(exp(sinks[h]) + sum_j exp(s_ij))``; a row that sees no key gets output 0
+        and LSE ``sinks[h]``. Folded into the online softmax's start: no cost per key.
 
     Returns
     -------
@@ -71,6 +82,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     """
     problem, out = attention_problem(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout,
                                      num_threads, out)
+    problem = _with_sinks(problem, sinks)
     if not return_lse:
         _launch(problem, None)
         return out
@@ -85,7 +97,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                            max_seqlen_k=None, causal=False, scale=None, window=(-1, -1),
                            softcap=None, alibi_slopes=None, return_lse=False,
-                           num_threads=None, out=None):
+                           num_threads=None, out=None, sinks=None):
     """Attention over packed ragged sequences (what a server's prefill step sends).
 
     q ``(total_q, Hq, D)``, k ``(total_k, Hk, D)``, v ``(total_k, Hk, Dv)``; sequence b uses rows
@@ -93,11 +105,12 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     ``cu_seqlens_*``: int32/int64 ``(B+1,)``, starting at 0, non-decreasing, last = total.
     Empty sequences are allowed. Causal/window/alibi are aligned per sequence (bottom-right).
     ``max_seqlen_*`` are optional; when given they must be >= the longest sequence.
-    Other arguments as in :func:`flash_attention`. Returns ``out (total_q, Hq, Dv)`` or
-    ``(out, lse)`` with lse float32 ``(Hq, total_q)``.
+    Other arguments (``sinks`` included) as in :func:`flash_attention`. Returns
+    ``out (total_q, Hq, Dv)`` or ``(out, lse)`` with lse float32 ``(Hq, total_q)``.
     """
     problem, out = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   scale, window, softcap, alibi_slopes, num_threads, out)
+    problem = _with_sinks(problem, sinks)
     if not return_lse:
         _launch(problem, None)
         return out
@@ -112,7 +125,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                                  block_table=None, causal=False, scale=None, window=(-1, -1),
                                  softcap=None, alibi_slopes=None, return_lse=False,
-                                 num_splits=0, num_threads=None, out=None, layout="bshd"):
+                                 num_splits=0, num_threads=None, out=None, layout="bshd", sinks=None):
     """Attention of new queries against a KV cache (decode / chunked prefill), flash-attn layout.
 
     q ``(B, Nq, Hq, D)``. Contiguous cache: ``k_cache (B, Ncap, Hk, D)``, ``v_cache (B, Ncap, Hk, Dv)``.
@@ -125,8 +138,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     If that exceeds the capacity a ValueError is raised and the cache is left untouched;
     ``cache_seqlens`` itself is never modified. Masks are bottom-right aligned per sequence.
     ``num_splits``: 0 = split the key axis automatically for parallel decode (flash-decoding),
-    1 = never, n = n splits; results agree up to float rounding. Other arguments as in
-    :func:`flash_attention`. Returns ``out (B, Nq, Hq, Dv)`` or ``(out, lse)`` with lse ``(B, Hq, Nq)``.
+    1 = never, n = n splits; results agree up to float rounding. Other arguments (``sinks``
+    included) as in :func:`flash_attention`. Returns ``out (B, Nq, Hq, Dv)`` or ``(out, lse)`` with lse ``(B, Hq, Nq)``.
 
     ``layout="bhsd"`` takes every 4-D argument (q, caches, k, v, out) and returns out in PyTorch's
     head-major order instead: q ``(B, Hq, Nq, D)``, ``k_cache (B, Hk, Ncap, D)`` (paged:
@@ -134,12 +147,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     written in place all the same (only strides differ). lse is ``(B, Hq, Nq)`` in both layouts.
     """
     out, lse = _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
-                             softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout)
+                             softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks)
     return (out, lse) if return_lse else out
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
-                  alibi_slopes, return_lse, num_splits, num_threads, out, layout):
+                  alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks=None):
     """flash_attention_with_kvcache -> (out, lse or None); also fa2cpu.torch's, on tensor views."""
     # The lean checks first (a decode step's common case, a few microseconds), else every check.
     found = None if alibi_slopes is not None else kvcache_problem_lean(
@@ -148,6 +161,7 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     problem, out, append = found or kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap, alibi_slopes,
         num_splits, num_threads, out, layout)
+    problem = _with_sinks(problem, sinks)
     if append is not None:  # every check passed: write the new keys/values in place
         _append(append, problem.block_table, problem.block_size)
     lse = np.empty((problem.batch, problem.q_heads, problem.q_length), np.float32) if return_lse else None

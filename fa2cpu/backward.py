@@ -9,7 +9,7 @@ any thread count.
 import numpy as np
 
 from . import _core
-from ._checks import _DTYPES, _Options, _alibi, _cu_seqlens_pair, _data, _packed, _qkv, _threads
+from ._checks import _DTYPES, _Options, _alibi, _cu_seqlens_pair, _data, _dsinks, _packed, _qkv, _sinks, _threads
 
 __all__ = ["flash_attention_backward", "flash_attention_varlen_backward"]
 
@@ -24,7 +24,7 @@ def _match(name, a, shape, dtype, what):
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
                              window=(-1, -1), softcap=None, alibi_slopes=None,
-                             layout="bhsd", num_threads=None):
+                             layout="bhsd", num_threads=None, sinks=None):
     """Gradients of :func:`flash_attention` with respect to q, k and v (FlashAttention-2 backward).
 
     Given the upstream gradient ``dout`` and the forward's ``out`` and ``lse``
@@ -56,10 +56,16 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         Threads of the library's pool; None follows OpenMP's current maximum, like the forward.
         The GIL is released during the compute. The gradients are bit-identical for any value.
 
+    sinks : array_like, optional
+        The forward's attention sinks (float32 ``(Hq,)``); ``lse`` must be the forward's with them.
+
     Returns
     -------
     (dq, dk, dv) : new arrays with the shapes of q, k, v, in the input dtype (accumulation is
-        float32). dk/dv are summed over the query heads of each GQA group.
+        float32). dk/dv are summed over the query heads of each GQA group. With ``sinks``:
+        ``(dq, dk, dv, dsinks)``, ``dsinks[h] = -sum_i exp(sinks[h] - lse_i) * sum_d(dout_i * out_i)``
+        float32 ``(Hq,)``. (The other gradients need nothing more: P = exp(s - lse) with the sink
+        inside lse, and a sink has no value vector.)
     """
     q, k, v, (q4, k4, v4), (B, Hq, Hk, Nq, Nk, D, Dv) = _qkv(q, k, v, layout)
     dout = _data("dout", dout); out = _data("out", out); lse = _data("lse", lse)
@@ -74,6 +80,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         raise ValueError(f"lse: expected shape {lse_shape}, got {lse.shape}")
     options = _Options(D, causal, scale, window, softcap, Nq, Nk)
     alibi = _alibi(alibi_slopes, B, Hq)
+    sinks = _sinks(sinks, Hq)
     threads = _threads(num_threads)
 
     dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
@@ -86,19 +93,24 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
                        batch=B, hq=Hq, hk=Hk, nq=Nq, nk=Nk, scale=options.scale, softcap=options.softcap,
                        win_left=options.left, win_right=options.right, alibi=alibi, cu_q=None, cu_k=None,
                        num_threads=threads)
-    return dq, dk, dv
+    if sinks is None:
+        return dq, dk, dv
+    lse4 = lse[(None,) * (3 - lse.ndim)]  # (B, Hq, Nq): rows with the head on the last axis below
+    return dq, dk, dv, _dsinks(sinks, do4.transpose(0, 2, 1, 3), o4.transpose(0, 2, 1, 3), lse4.transpose(0, 2, 1))
 
 
 def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                                     max_seqlen_k=None, causal=False, scale=None, window=(-1, -1), softcap=None,
-                                    alibi_slopes=None, num_threads=None):
+                                    alibi_slopes=None, num_threads=None, sinks=None):
     """Gradients of :func:`fa2cpu.flash_attention_varlen` with respect to q, k and v.
 
     q ``(total_q, Hq, D)``, k ``(total_k, Hk, D)``, v ``(total_k, Hk, Dv)``; ``dout``/``out``
     ``(total_q, Hq, Dv)`` and ``lse`` float32 ``(Hq, total_q)`` as the forward returned them;
     ``cu_seqlens_*`` and the options must be the forward's (masks and alibi aligned per sequence,
-    as in the forward); other arguments as in :func:`flash_attention_backward`. Returns new ``(dq, dk, dv)`` in the input dtype; rows of a sequence without keys
-    (and keys of a sequence without queries) get zero gradients.
+    as in the forward); other arguments (``sinks`` included: then ``dsinks`` is returned as a
+    fourth gradient) as in :func:`flash_attention_backward`. Returns new ``(dq, dk, dv)`` in the
+    input dtype; rows of a sequence without keys (and keys of a sequence without queries) get zero
+    gradients.
     """
     q, k, v, dout, out = _packed(q=q, k=k, v=v, dout=dout, out=out)
     lse = _data("lse", lse)
@@ -111,6 +123,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     B = cu_q.shape[0] - 1
     options = _Options(q.shape[2], causal, scale, window, softcap, total_q, k.shape[0])
     alibi = _alibi(alibi_slopes, B, Hq)
+    sinks = _sinks(sinks, Hq)
     threads = _threads(num_threads)
     _qkv(q[None], k[None], v[None], "bshd")  # heads, rows and head dims: flash_attention_backward's checks
     dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
@@ -122,4 +135,6 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                        hk=k.shape[1], nq=0, nk=0, scale=options.scale, softcap=options.softcap,
                        win_left=options.left, win_right=options.right, alibi=alibi, cu_q=cu_q, cu_k=cu_k,
                        num_threads=threads)
-    return dq, dk, dv
+    if sinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, _dsinks(sinks, dout, out, lse.T)

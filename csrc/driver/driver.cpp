@@ -224,10 +224,13 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
     FA2CPU_CHECK(Dv <= kMaxHeadDim);  // check_params
     float acc[kMaxHeadDim];
     for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = it.kv_head * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
+        // The sink (if any) joins as one more partial with no output; its -inf means none.
+        const float sink = p.sinks ? p.sinks[h] * kLog2e : -INFINITY;
         // A NaN partial (the row's inputs hold a NaN) makes the row NaN: `x > mx` alone would skip
         // it and return 0 / -inf.
-        float mx = -INFINITY;
-        bool nan = false;
+        float mx = sink;
+        bool nan = std::isnan(sink);
         for (int64_t s = 0; s < mg.splits; ++s) {
             const float x = parts.lse[mg.part0 + s * rows + r];
             if (x > mx) mx = x;
@@ -236,18 +239,20 @@ void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
         if (nan) mx = NAN;
         for (int64_t j = 0; j < Dv; ++j) acc[j] = nan ? NAN : 0.f;
         float total = nan ? NAN : 0.f;
+        // exp2(x - mx), exactly 1 at the maximum (also when it is +inf)
+        auto weight = [mx](float x) { return x == mx ? 1.f : std::exp2(x - mx); };
         if (mx != -INFINITY && !nan) {
             for (int64_t s = 0; s < mg.splits; ++s) {
-                const float w = std::exp2(parts.lse[mg.part0 + s * rows + r] - mx);
+                const float w = weight(parts.lse[mg.part0 + s * rows + r]);
                 if (w == 0.f) continue;  // a split that saw no key (or underflowed)
                 const float* po = parts.o + (mg.part0 + s * rows + r) * Dv;
                 for (int64_t j = 0; j < Dv; ++j) acc[j] += w * po[j];
                 total += w;
             }
+            if (sink != -INFINITY) total += weight(sink);
         }
         const float inv = total == 0.f ? 0.f : 1.f / total;
         const float lse2 = total == 0.f ? -INFINITY : mx + std::log2(total);
-        const int64_t h = it.kv_head * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
         const int64_t out_at = q_row_offset(p, it.b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
         for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, out_at + j * p.out_dim_stride, acc[j] * inv, dt);
         if (p.lse) p.lse[q_row_offset(p, it.b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride] = lse2 * kLn2;

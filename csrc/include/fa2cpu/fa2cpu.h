@@ -59,6 +59,9 @@ struct Params {
     int64_t window_left = -1, window_right = -1;  // -1: unbounded (causal is window_right = 0)
     // slope of (b, h) = alibi[b*alibi_batch_stride + h*alibi_head_stride]
     const float* alibi = nullptr; int64_t alibi_batch_stride = 0, alibi_head_stride = 0;
+    // Attention sinks: sinks[h] is a raw logit (natural-log domain, no scale / softcap / alibi)
+    // joining every row of query head h's softmax denominator with no value vector; optional.
+    const float* sinks = nullptr;
     int mask_kind = 0;  // MaskKind
     const void* mask = nullptr;
     int64_t mask_batch_stride = 0, mask_head_stride = 0, mask_query_stride = 0, mask_key_stride = 0;

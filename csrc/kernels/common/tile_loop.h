@@ -17,6 +17,8 @@
 // Because rows are in lanes, the row max/sum are vertical vector ops and neither K nor V needs a
 // transpose while packing (the micro-kernels broadcast single K/V elements).
 #pragma once
+#include <cfloat>
+
 #include "kernel.h"
 #include "policy.h"
 
@@ -123,6 +125,12 @@ struct TileLoop {
             mask_row_offset[r] = p.mask ? b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_query_stride : 0;
         }
         for (int64_t r = 0; r < M; ++r) { mrow[r] = -INFINITY; lrow[r] = 0.f; }
+        // Sinks start each row's online softmax as an already-seen logit with no value: running
+        // max = the sink, running sum = 1 (nothing per key). A split item leaves it to the merge
+        // (driver.cpp), which must count it once.
+        if (p.sinks && it.part < 0)
+            for (int64_t r = 0; r < R; ++r)
+                start_with_sink(p.sinks[it.kv_head * group + it.g0 + r / nqi], mrow + r, lrow + r);
         for (int64_t j = 0; j < G::o_floats(Dv, M); ++j) o[j] = 0.f;
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
         const bool block_tiles = G::kTilesEndAtBlocks && p.block_table != nullptr;
@@ -151,6 +159,17 @@ struct TileLoop {
             }
         }
         finish(p, it, R, nqi, M, o, mrow, lrow, ctx.parts);
+    }
+
+    static void start_with_sink(float sink, float* m, float* l) {
+        if (std::isnan(sink)) { *l = NAN; return; }    // the row's output and LSE become NaN
+        if (sink == -INFINITY) return;                   // no sink
+        *m = sink * kLog2e;
+        *l = 1.f;
+        // An infinite sink takes all the weight: out 0, LSE +inf. Kept finite in m (with an
+        // infinite sum) so that exp2(m_old - m_new) stays 1, not inf - inf, when other rows of
+        // the vector move their max.
+        if (*m == INFINITY) { *m = FLT_MAX; *l = INFINITY; }
     }
 
     // K (kWhich = 0) or V (1) tile [c0, c0 + nc) of the item's kv head: the shared slot when the
