@@ -35,6 +35,21 @@ namespace {
 // half_last: the last pair of b has its high half masked to 0 (an odd reduction length).
 struct PairGemm {
     static constexpr int kMaxNV = 6;
+    template <int NV, int NJ, bool kMaskHigh>
+    static inline __attribute__((always_inline)) void step(__m512 (&acc)[NV][NJ], const uint32_t* a, const uint16_t* b,
+                                                           int64_t ldb) {
+        __m512i av[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) av[v] = _mm512_loadu_si512(a + v * 16);
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; ++j) {
+            uint32_t kk;
+            std::memcpy(&kk, b + j * ldb, 4);
+            const __m512i bb = _mm512_set1_epi32(int(kMaskHigh ? kk & 0xffffu : kk));
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], (__m512bh)av[v], (__m512bh)bb);
+        }
+    }
     template <int NV, int NJ, bool kAccumulate>
     static inline void micro(const uint32_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t T, bool half_last,
                              float* out, int64_t ldo) {
@@ -44,22 +59,11 @@ struct PairGemm {
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v)
                 acc[v][j] = kAccumulate ? _mm512_loadu_ps(out + j * ldo + v * 16) : _mm512_setzero_ps();
-        auto step = [&](int64_t t, uint32_t keep) {
-            __m512i av[NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) av[v] = _mm512_loadu_si512(a + t * lda + v * 16);
-#pragma GCC unroll 8
-            for (int j = 0; j < NJ; ++j) {
-                uint32_t kk;
-                std::memcpy(&kk, b + j * ldb + 2 * t, 4);
-                const __m512i bb = _mm512_set1_epi32(int(kk & keep));
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], (__m512bh)av[v], (__m512bh)bb);
-            }
-        };
+        // The masked last pair apart: a plain pair broadcasts from memory (load port), a masked
+        // one through a general register (the vector ALU port vdpbf16ps needs).
         const int64_t full = half_last ? T - 1 : T;
-        for (int64_t t = 0; t < full; ++t) step(t, ~0u);
-        if (half_last) step(T - 1, 0xffffu);
+        for (int64_t t = 0; t < full; ++t) step<NV, NJ, false>(acc, a + t * lda, b + 2 * t, ldb);
+        if (half_last) step<NV, NJ, true>(acc, a + (T - 1) * lda, b + 2 * (T - 1), ldb);
 #pragma GCC unroll 8
         for (int j = 0; j < NJ; ++j)
 #pragma GCC unroll 8

@@ -1,7 +1,11 @@
 // The FlashAttention-2 backward (paper, Algorithm 2), written once and instantiated by every
 // family with its vector traits V (V512 in vec_avx512.h, V256 in avx2.cpp, VGeneric in
-// generic.cpp). Products run in float32 on the F32Gemm<V> micro-kernels (bf16/fp16 inputs are
-// converted while packing; AMX / vdpbf16ps backward micro-kernels are a later step).
+// generic.cpp) and a products policy P: F32Products<V> below (float32 micro-kernels of F32Gemm<V>;
+// bf16/fp16 converted while packing) for every family and dtype, except bf16 on the avx512bf16
+// family, which runs Bf16Products (backward_bf16.h, vdpbf16ps). The amx family keeps float32 for
+// bf16: on its Intel cores vdpbf16ps runs at half the float32 FMA rate (measured 66 vs 120
+// GFLOP/s per core on the AMX dev VM, and this backward 43 vs ~60 GFLOP/s); AMX tile products
+// are the next step.
 //
 // Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
 // [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
@@ -23,15 +27,12 @@
 // outer ran the same micro-kernels at 44 instead of 62 GFLOP/s, the panels coming from L3).
 //
 // Scratch (floats, laid out by `layout`; rows >= the group's real rows are padding):
-//   kall [nkeys][ldq], vall [nkeys][ldo]: the item's K / V, float32 row-major, ldq / ldo = D / Dv
-//                   rounded up to W (packed once per item: strides and dtype conversion end here)
-//   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys
+//   ops: the products policy's operand buffers (P::carve): the item's K / V packed once per item
+//        (strides and dtype conversion end there) and the row group's Q / dO in the layouts of
+//        its products (F32Products: float32 K/V rows, Q/dO transposed panels and row-major rows)
+//   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys, ldq / ldo =
+//                   D / Dv rounded up to W
 //   per row group (GR = kGroupRows rows, in row blocks of RB = RV*W rows):
-//   qT  panels [D][RB]   Q transposed, one contiguous panel per row block (rows in lanes:
-//                        S^T = K Q^T, the forward's qk micro-kernel)
-//   qr  [GR][ldq]        Q row-major, zero padded (dK += dS^T Q, features in lanes)
-//   doT panels [Dv][RB]  dO transposed (dP^T = V dO^T)
-//   dor [GR][ldo]        dO row-major (dV += P^T dO)
 //   dqT panels [D][RB]   dQ^T accumulator (dQ^T += K^T dS^T, the forward's pv micro-kernel)
 //   lse2, delta, slope [GR]: log2-domain LSE (+inf: the row contributes nothing), D_i =
 //                        rowsum(dO o O), alibi slope * log2(e)
