@@ -4,6 +4,7 @@
 // products keep float32 accuracy). Built with the flags of its catalogue.def row.
 #include <chrono>
 
+#include "common/backward_bf16.h"
 #include "common/gemm_bf16.h"
 #include "common/gemm_decode.h"
 #include "common/gemm_f32.h"
@@ -44,7 +45,7 @@ double peak(int dtype, double seconds) {
 }  // namespace
 
 extern const KernelTable kTable_avx512bf16 =
-    make_table(&peak, BackwardRoute<BackwardLoop<V512>>(),
+    make_table(&peak, BackwardRoute<Bf16Backward>(),
                Avx512DecodeRoute::route("decode"), TileRoute<TileLoop<V512, Bf16Gemm<V512>>, Bf16Input>::route("bf16"),
                TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));
 

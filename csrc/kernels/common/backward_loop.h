@@ -1,7 +1,11 @@
 // The FlashAttention-2 backward (paper, Algorithm 2), written once and instantiated by every
 // family with its vector traits V (V512 in vec_avx512.h, V256 in avx2.cpp, VGeneric in
-// generic.cpp). Products run in float32 on the F32Gemm<V> micro-kernels (bf16/fp16 inputs are
-// converted while packing; AMX / vdpbf16ps backward micro-kernels are a later step).
+// generic.cpp) and a products policy P: F32Products<V> below (float32 micro-kernels of F32Gemm<V>;
+// bf16/fp16 converted while packing) for every family and dtype, except bf16 on the avx512bf16
+// family, which runs Bf16Products (backward_bf16.h, vdpbf16ps). The amx family keeps float32 for
+// bf16: on its Intel cores vdpbf16ps runs at half the float32 FMA rate (measured 66 vs 120
+// GFLOP/s per core on the AMX dev VM, and this backward 43 vs ~60 GFLOP/s); AMX tile products
+// are the next step.
 //
 // Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
 // [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
@@ -23,15 +27,12 @@
 // outer ran the same micro-kernels at 44 instead of 62 GFLOP/s, the panels coming from L3).
 //
 // Scratch (floats, laid out by `layout`; rows >= the group's real rows are padding):
-//   kall [nkeys][ldq], vall [nkeys][ldo]: the item's K / V, float32 row-major, ldq / ldo = D / Dv
-//                   rounded up to W (packed once per item: strides and dtype conversion end here)
-//   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys
+//   ops: the products policy's operand buffers (P::carve): the item's K / V packed once per item
+//        (strides and dtype conversion end there) and the row group's Q / dO in the layouts of
+//        its products (F32Products: float32 K/V rows, Q/dO transposed panels and row-major rows)
+//   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys, ldq / ldo =
+//                   D / Dv rounded up to W
 //   per row group (GR = kGroupRows rows, in row blocks of RB = RV*W rows):
-//   qT  panels [D][RB]   Q transposed, one contiguous panel per row block (rows in lanes:
-//                        S^T = K Q^T, the forward's qk micro-kernel)
-//   qr  [GR][ldq]        Q row-major, zero padded (dK += dS^T Q, features in lanes)
-//   doT panels [Dv][RB]  dO transposed (dP^T = V dO^T)
-//   dor [GR][ldo]        dO row-major (dV += P^T dO)
 //   dqT panels [D][RB]   dQ^T accumulator (dQ^T += K^T dS^T, the forward's pv micro-kernel)
 //   lse2, delta, slope [GR]: log2-domain LSE (+inf: the row contributes nothing), D_i =
 //                        rowsum(dO o O), alibi slope * log2(e)
@@ -49,58 +50,82 @@
 namespace fa2cpu {
 namespace {
 
+// Scratch handed out in 64-byte steps from base (with base == nullptr: only counted, in `used`).
+struct Carver {
+    float* base;
+    int64_t used = 0;
+    float* take(int64_t n) {
+        float* at = base ? base + used : nullptr;
+        used += round_up(n, 16);
+        return at;
+    }
+};
+
+// The float32 products of the backward (every family; every dtype but bf16 on families with bf16
+// hardware, whose products are backward_bf16.h's): operands converted to float32 while packing.
+// A products policy P of BackwardLoop<V, P> supplies its operand buffers (`carve`), the packing of
+// keys and rows, and the five tile products around the shared softmax gradient:
+//   scores:  S^T = K Q^T and dP^T = V dO^T of a row block into s / dp [BC][RB] (float32)
+//   updates: dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T from P in s and dS in dp
 template <class V>
-struct BackwardLoop {
+struct F32Products {
     using G = F32Gemm<V>;
-    using vec = typename V::vec;
     static constexpr int W = V::W;
-    static constexpr int RV = G::RV;   // row vectors per row block
-    static constexpr int RB = G::RB;   // rows per row block
-    static constexpr int64_t BC = G::BC;
+    static constexpr int RB = G::RB;
+    static constexpr int64_t kGroupRows = V::MAX_ROWS;
     // Accumulator registers of the forward's micro-tiles (RV x NK): the dV/dK micro-kernel keeps
     // as many, NJ feature vectors x kAcc/NJ keys (V512: 4 x 6 at D = 128, + 4 loads + 1 broadcast).
     static constexpr int kAcc = V::RV * V::NK;
     static constexpr int kMaxNJ = V::RV;
 
-    static constexpr int64_t kGroupRows = V::MAX_ROWS;
-    static_assert(kGroupRows % RB == 0, "row groups are whole row blocks");
-
-    struct Layout {
+    // kall [nkeys][ldq], vall [nkeys][ldo]: the item's K / V, float32 row-major
+    // qT panels [D][RB]: Q transposed per row block (rows in lanes: S^T = K Q^T)
+    // qr [GR][ldq]: Q row-major, zero padded (dK += dS^T Q, features in lanes)
+    // doT panels [Dv][RB], dor [GR][ldo]: the same for dO (dP^T = V dO^T, dV += P^T dO)
+    struct Bufs {
+        float *kall, *vall, *qT, *qr, *doT, *dor;
         int64_t ldq, ldo;
-        int64_t kall, vall, dkall, dvall;
-        int64_t qT, qr, doT, dor, dqT, lse2, delta, slope, first_key, last_key, diagonal, s, dp, total;
     };
-    static Layout layout(const BackwardParams& bp, int64_t keys) {
-        const Params& p = bp.f;
-        Layout L;
-        L.ldq = round_up(p.d, W);
-        L.ldo = round_up(p.dv, W);
-        int64_t o = 0;
-        auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
-        L.kall = take(keys * L.ldq);
-        L.vall = take(keys * L.ldo);
-        L.dkall = take(keys * L.ldq);
-        L.dvall = take(keys * L.ldo);
-        L.qT = take(p.d * kGroupRows);
-        L.qr = take(kGroupRows * L.ldq);
-        L.doT = take(p.dv * kGroupRows);
-        L.dor = take(kGroupRows * L.ldo);
-        L.dqT = take(p.d * kGroupRows);
-        L.lse2 = take(kGroupRows);
-        L.delta = take(kGroupRows);
-        L.slope = take(kGroupRows);
-        L.first_key = take(2 * kGroupRows);  // int64
-        L.last_key = take(2 * kGroupRows);
-        L.diagonal = take(2 * kGroupRows);
-        L.s = take(BC * RB);
-        L.dp = take(BC * RB);
-        L.total = o;
-        return L;
+    static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
+        Bufs x;
+        x.ldq = round_up(p.d, W);
+        x.ldo = round_up(p.dv, W);
+        Carver c{base};
+        x.kall = c.take(keys * x.ldq);
+        x.vall = c.take(keys * x.ldo);
+        x.qT = c.take(p.d * kGroupRows);
+        x.qr = c.take(kGroupRows * x.ldq);
+        x.doT = c.take(p.dv * kGroupRows);
+        x.dor = c.take(kGroupRows * x.ldo);
+        *floats = c.used;
+        return x;
     }
-    // Per-thread scratch of an item of `keys` keys (rows do not matter: they go by row groups).
-    static int64_t scratch_floats(const BackwardParams& p, int64_t keys) { return layout(p, keys).total; }
     // Index of (row r, feature f) in row-block panels of `features` x RB (row block r0 starts at r0 * features).
     static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
+
+    static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
+        std::memcpy(x.kall + c * x.ldq, k, size_t(D) * 4);
+        std::memcpy(x.vall + c * x.ldo, v, size_t(Dv) * 4);
+    }
+    // Row r of the group (q, dO: float32, D / Dv features); rows past the real ones get zeros.
+    static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
+        float* qd = x.qr + r * x.ldq;
+        float* od = x.dor + r * x.ldo;
+        for (int64_t d = 0; d < x.ldq; ++d) qd[d] = q && d < D ? q[d] : 0.f;
+        for (int64_t j = 0; j < x.ldo; ++j) od[j] = dO && j < Dv ? dO[j] : 0.f;
+        for (int64_t d = 0; d < D; ++d) x.qT[panel(r, D, d)] = qd[d];
+        for (int64_t j = 0; j < Dv; ++j) x.doT[panel(r, Dv, j)] = od[j];
+    }
+    static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t D, int64_t Dv, float* s, float* dp) {
+        G::qk_nv(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
+        G::qk_nv(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
+    }
+    static void updates(Bufs& x, int nv, int64_t r0, int64_t rows, int64_t ck, int64_t n, int64_t D, const float* s,
+                        const float* dp, float* dkall, float* dvall, float* dqT) {
+        tn(n, rows, s, x.dor + r0 * x.ldo, x.ldo, x.ldo / W, dvall + ck * x.ldo, x.ldo);
+        tn(n, rows, dp, x.qr + r0 * x.ldq, x.ldq, x.ldq / W, dkall + ck * x.ldq, x.ldq);
+        G::pv_nv(nv, dp, n, x.kall + ck * x.ldq, x.ldq, D, dqT + r0 * D, RB);
+    }
 
     // ---- dV += P^T dO / dK += dS^T Q: features in lanes, P / dS broadcast -----------------------
     // acc[c*lda + j*W + lane] += sum_{r < rows} pt[c*RB + r] * x[r*ldx + j*W + lane],  c < NC, j < NJ:
@@ -136,11 +161,55 @@ struct BackwardLoop {
             tn_nj(nj, n, rows, pt, x + j * W, ldx, acc + j * W, lda);
         }
     }
+};
+
+template <class V, class P = F32Products<V>>
+struct BackwardLoop {
+    using vec = typename V::vec;
+    static constexpr int W = V::W;
+    static constexpr int RV = F32Gemm<V>::RV;   // row vectors per row block
+    static constexpr int RB = F32Gemm<V>::RB;   // rows per row block
+    static constexpr int64_t BC = F32Gemm<V>::BC;
+    static constexpr int64_t kGroupRows = V::MAX_ROWS;
+    static_assert(kGroupRows % RB == 0, "row groups are whole row blocks");
+    static_assert(P::RB == RB && P::kGroupRows == kGroupRows, "one row blocking for loop and products");
+
+    struct Layout {
+        int64_t ldq, ldo;
+        int64_t ops, dkall, dvall, dqT, lse2, delta, slope, first_key, last_key, diagonal, s, dp, total;
+    };
+    static Layout layout(const BackwardParams& bp, int64_t keys) {
+        const Params& p = bp.f;
+        Layout L;
+        L.ldq = round_up(p.d, W);
+        L.ldo = round_up(p.dv, W);
+        int64_t o = 0;
+        auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
+        int64_t ops_floats = 0;
+        P::carve(p, keys, nullptr, &ops_floats);
+        L.ops = take(ops_floats);
+        L.dkall = take(keys * L.ldq);
+        L.dvall = take(keys * L.ldo);
+        L.dqT = take(p.d * kGroupRows);
+        L.lse2 = take(kGroupRows);
+        L.delta = take(kGroupRows);
+        L.slope = take(kGroupRows);
+        L.first_key = take(2 * kGroupRows);  // int64
+        L.last_key = take(2 * kGroupRows);
+        L.diagonal = take(2 * kGroupRows);
+        L.s = take(BC * RB);
+        L.dp = take(BC * RB);
+        L.total = o;
+        return L;
+    }
+    // Per-thread scratch of an item of `keys` keys (rows do not matter: they go by row groups).
+    static int64_t scratch_floats(const BackwardParams& p, int64_t keys) { return layout(p, keys).total; }
+    static int64_t panel(int64_t r, int64_t features, int64_t f) { return P::panel(r, features, f); }
 
     // ---- the item --------------------------------------------------------------------------
     static void run_item(const BackwardParams& bp, const BackwardItem& it, float* scratch, float* dq_part) {
         const Params& p = bp.f;
-        FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffer below
+        FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffers below
         const int64_t b = it.b, group = p.hq / p.hk, D = p.d, Dv = p.dv;
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         const int64_t nqi = it.i1 - it.i0, R = group * nqi, nkeys = it.ke - it.kb;
@@ -149,14 +218,10 @@ struct BackwardLoop {
         // Scratch regions by offset (`layout`); positions are int64 (exact beyond 2^24 keys).
         auto at = [scratch](int64_t offset) { return scratch + offset; };
         auto at64 = [scratch](int64_t offset) { return reinterpret_cast<int64_t*>(scratch + offset); };
-        float* kall = at(L.kall);
-        float* vall = at(L.vall);
+        int64_t ops_floats = 0;
+        typename P::Bufs ops = P::carve(p, nkeys, at(L.ops), &ops_floats);
         float* dkall = at(L.dkall);
         float* dvall = at(L.dvall);
-        float* qT = at(L.qT);
-        float* qr = at(L.qr);
-        float* doT = at(L.doT);
-        float* dor = at(L.dor);
         float* dqT = at(L.dqT);
         float* lse2 = at(L.lse2);
         float* delta = at(L.delta);
@@ -170,47 +235,40 @@ struct BackwardLoop {
 
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
         for (int64_t c = 0; c < nkeys; ++c) {
-            V::load_row(kall + c * ldq, elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt),
+            float krow[kMaxHeadDim], vrow[kMaxHeadDim];
+            V::load_row(krow, elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt),
                         D, p.k_dim_stride, dt);
-            V::load_row(vall + c * ldo, elem_ptr(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head, dt),
+            V::load_row(vrow, elem_ptr(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head, dt),
                         Dv, p.v_dim_stride, dt);
+            P::pack_key(ops, c, krow, vrow, D, Dv);
         }
         for (int64_t x = 0; x < nkeys * ldq; ++x) dkall[x] = 0.f;
         for (int64_t x = 0; x < nkeys * ldo; ++x) dvall[x] = 0.f;
         if (it.part < 0) zero_dq_outside(bp, it);
 
-        const int64_t qvecs = ldq / W, ovecs = ldo / W;
         for (int64_t g0 = 0; g0 < R; g0 += kGroupRows) {
             const int64_t GRr = R - g0 < kGroupRows ? R - g0 : kGroupRows;  // real rows of the group
             const int64_t M = round_up(GRr, W);
-            // Rows: pack Q and dO in both layouts, D_i, log2 LSE, visible ranges, alibi.
+            // Rows: pack Q and dO, D_i, log2 LSE, visible ranges, alibi.
             int64_t glo = it.ke, ghi = it.kb - 1;
             for (int64_t r = 0; r < M; ++r) {
-                float orow[kMaxHeadDim];
-                float* qd = qr + r * ldq;
-                float* od = dor + r * ldo;
-                for (int64_t d = 0; d < ldq; ++d) qd[d] = 0.f;
-                for (int64_t j = 0; j < ldo; ++j) od[j] = 0.f;
+                float qrow[kMaxHeadDim], orow[kMaxHeadDim], od[kMaxHeadDim];
                 if (r >= GRr) {  // padding: zero operands, P = 0, never decides a skip
-                    for (int64_t d = 0; d < D; ++d) qT[panel(r, D, d)] = 0.f;
-                    for (int64_t j = 0; j < Dv; ++j) doT[panel(r, Dv, j)] = 0.f;
+                    P::pack_row(ops, r, nullptr, nullptr, D, Dv);
                     lse2[r] = INFINITY; delta[r] = 0.f; slope[r] = 0.f;
                     first_key[r] = 0; last_key[r] = nk; diagonal[r] = 0;
                     continue;
                 }
                 const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
                 const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
-                V::load_row(qd, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
-                for (int64_t d = 0; d < D; ++d) qT[panel(r, D, d)] = qd[d];
+                V::load_row(qrow, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
                 const int64_t do_at = q_row_offset(p, b, i, bp.dout_batch_stride, bp.dout_row_stride) + h * bp.dout_head_stride;
                 const int64_t o_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
                 V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
                 V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
+                P::pack_row(ops, r, qrow, od, D, Dv);
                 float dsum = 0.f;
-                for (int64_t j = 0; j < Dv; ++j) {
-                    doT[panel(r, Dv, j)] = od[j];
-                    dsum += od[j] * orow[j];
-                }
+                for (int64_t j = 0; j < Dv; ++j) dsum += od[j] * orow[j];
                 delta[r] = dsum;
                 const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
                 lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
@@ -239,13 +297,9 @@ struct BackwardLoop {
                     if (cb >= ce) continue;
                     const int64_t n = ce - cb, ck = cb - it.kb;  // ck: index of key cb in the item's arrays
                     const bool range_mask = bk.lo_max > cb || bk.hi_min < ce - 1;
-                    G::qk_nv(nv, qT + r0 * D, RB, kall + ck * ldq, ldq, D, n, s);
-                    G::qk_nv(nv, doT + r0 * Dv, RB, vall + ck * ldo, ldo, Dv, n, dp);
+                    P::scores(ops, nv, r0, ck, n, D, Dv, s, dp);
                     gradients(p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
-                    const int64_t rows = rend - r0;
-                    tn(n, rows, s, dor + r0 * ldo, ldo, ovecs, dvall + ck * ldo, ldo);
-                    tn(n, rows, dp, qr + r0 * ldq, ldq, qvecs, dkall + ck * ldq, ldq);
-                    G::pv_nv(nv, dp, n, kall + ck * ldq, ldq, D, dqT + r0 * D, RB);
+                    P::updates(ops, nv, r0, rend - r0, ck, n, D, s, dp, dkall, dvall, dqT);
                 }
             }
             store_dq(bp, it, g0, GRr, dqT, dq_part);

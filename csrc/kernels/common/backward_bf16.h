@@ -1,0 +1,211 @@
+// bfloat16 products of the backward for the families with AVX512_BF16 (avx512bf16, amx):
+// BackwardLoop<V512, Bf16Products> (backward_loop.h: the same items, row groups, key tiles and
+// softmax gradient as float32) with all five tile products on vdpbf16ps, accumulating in float32.
+// vdpbf16ps(acc, a, b) adds a[2i]*b[2i] + a[2i+1]*b[2i+1] to float32 lane i, so each product
+// stores its operands as bf16 PAIRS along its reduction axis (one uint32 per pair, low half first):
+//
+//   product            lanes     reduction  a (vector operand)             b (broadcast pair)
+//   S^T  = K Q^T       rows      D          qp  [D2][GR]  Q pairs           kb  [nkeys][D2] K rows
+//   dP^T = V dO^T      rows      Dv         dop [Dv2][GR] dO pairs          vb  [nkeys][Dv2] V rows
+//   dV  += P^T dO      features  rows       dorp [GR/2][ldo] dO row pairs   pT  [BC][RB] bf16 P^T
+//   dK  += dS^T Q      features  rows       qrp  [GR/2][ldq] Q row pairs    dsT [BC][RB] bf16 dS^T
+//   dQ^T += K^T dS^T   rows      keys       dsp [BC/2][RB] dS pairs         kT  [D][ldkt] K^T rows
+//
+// (D2 = ceil(D/2); odd D, Dv and padding rows are zero halves.) P and dS are rounded to bf16 (round
+// to nearest even) only as operands of dV, dK and dQ, as FlashAttention-2 does for bf16; S, dP, P,
+// dS themselves, D_i and every accumulator stay float32. The inputs are bf16 already, so packing
+// them is exact. An odd key count n leaves the last dS pair half empty; its K^T half is masked, so
+// a key outside [cb, ce) (maybe NaN or inf) never meets the zero half.
+//
+// float32 and float16 inputs keep BackwardLoop<V512> (F32Products): Bf16Backward picks per call.
+#pragma once
+#include <immintrin.h>
+
+#include "backward_loop.h"
+#include "gemm_bf16.h"
+#include "vec_avx512.h"
+
+namespace fa2cpu {
+namespace {
+
+// out[j*ldo + v*16 + lane] (+)= sum_{t < T} a[t*lda + v*16 + lane] . b[j*ldb + 2t .. 2t+1],
+// j < nj, v < nv (<= 6): a holds pairs in lanes, b pairs broadcast. Register blocking NV x NJ with
+// NV*NJ <= 24 accumulators (6 x 4 like the forward's micro-tiles, 4 x 6 for the feature-lane
+// products, whose 8 vectors at D = 128 split 4 + 4), NV loads and one broadcast: <= 31 zmm.
+// half_last: the last pair of b has its high half masked to 0 (an odd reduction length).
+struct PairGemm {
+    static constexpr int kMaxNV = 6;
+    template <int NV, int NJ, bool kMaskHigh>
+    static inline __attribute__((always_inline)) void step(__m512 (&acc)[NV][NJ], const uint32_t* a, const uint16_t* b,
+                                                           int64_t ldb) {
+        __m512i av[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) av[v] = _mm512_loadu_si512(a + v * 16);
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; ++j) {
+            uint32_t kk;
+            std::memcpy(&kk, b + j * ldb, 4);
+            const __m512i bb = _mm512_set1_epi32(int(kMaskHigh ? kk & 0xffffu : kk));
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], (__m512bh)av[v], (__m512bh)bb);
+        }
+    }
+    template <int NV, int NJ, bool kAccumulate>
+    static inline void micro(const uint32_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t T, bool half_last,
+                             float* out, int64_t ldo) {
+        __m512 acc[NV][NJ];
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v)
+                acc[v][j] = kAccumulate ? _mm512_loadu_ps(out + j * ldo + v * 16) : _mm512_setzero_ps();
+        // The masked last pair apart: a plain pair broadcasts from memory (load port), a masked
+        // one through a general register (the vector ALU port vdpbf16ps needs).
+        const int64_t full = half_last ? T - 1 : T;
+        for (int64_t t = 0; t < full; ++t) step<NV, NJ, false>(acc, a + t * lda, b + 2 * t, ldb);
+        if (half_last) step<NV, NJ, true>(acc, a + (T - 1) * lda, b + 2 * (T - 1), ldb);
+#pragma GCC unroll 8
+        for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + j * ldo + v * 16, acc[v][j]);
+    }
+    template <int NV, bool kAcc, int NJ>
+    static void tail(int nj, const uint32_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t T, bool half,
+                     float* out, int64_t ldo) {
+        if constexpr (NJ >= 1) {
+            if (nj == NJ) micro<NV, NJ, kAcc>(a, lda, b, ldb, T, half, out, ldo);
+            else tail<NV, kAcc, NJ - 1>(nj, a, lda, b, ldb, T, half, out, ldo);
+        }
+    }
+    template <bool kAcc, int NV = kMaxNV>
+    static void run(int nv, int64_t nj, const uint32_t* a, int64_t lda, const uint16_t* b, int64_t ldb, int64_t T,
+                    bool half, float* out, int64_t ldo) {
+        if constexpr (NV >= 1) {
+            if (nv != NV) return run<kAcc, NV - 1>(nv, nj, a, lda, b, ldb, T, half, out, ldo);
+            constexpr int NJ = 24 / NV < 8 ? 24 / NV : 8;
+            int64_t j = 0;
+            for (; j + NJ <= nj; j += NJ) micro<NV, NJ, kAcc>(a, lda, b + j * ldb, ldb, T, half, out + j * ldo, ldo);
+            if (j < nj) tail<NV, kAcc, NJ - 1>(int(nj - j), a, lda, b + j * ldb, ldb, T, half, out + j * ldo, ldo);
+        }
+    }
+    // Feature-lane products (dV, dK): `vectors` 16-wide feature vectors cut into equal chunks of <= 6.
+    static void run_features(int64_t vectors, int64_t nj, const uint32_t* a, int64_t lda, const uint16_t* b, int64_t ldb,
+                             int64_t T, float* out, int64_t ldo) {
+        const int64_t chunks = (vectors + kMaxNV - 1) / kMaxNV;
+        const int64_t per = (vectors + chunks - 1) / chunks;
+        for (int64_t f = 0; f < vectors; f += per) {
+            const int nv = int(vectors - f < per ? vectors - f : per);
+            run<true>(nv, nj, a + f * 16, lda, b, ldb, T, false, out + f * 16, ldo);
+        }
+    }
+};
+
+struct Bf16Products {
+    using G = Bf16Gemm<V512>;
+    static constexpr int W = 16;
+    static constexpr int RB = G::RB;
+    static constexpr int64_t BC = V512::BC;
+    static constexpr int64_t kGroupRows = V512::MAX_ROWS;
+    static_assert(RB % 2 == 0 && kGroupRows % 2 == 0, "row pairs never straddle a row block");
+
+    struct Bufs {
+        uint32_t *qp, *dop, *qrp, *dorp, *dsp;  // pair layouts of the table above
+        uint16_t *kb, *vb, *kT, *pT, *dsT;
+        int64_t keys, ldq, ldo, d2, dv2, ldkt;  // ldq / ldo: D / Dv rounded up to 16 (dkall / dvall too)
+    };
+    static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
+        Bufs x;
+        x.ldq = round_up(p.d, W);
+        x.ldo = round_up(p.dv, W);
+        x.d2 = (p.d + 1) / 2;
+        x.dv2 = (p.dv + 1) / 2;
+        x.keys = keys;
+        x.ldkt = round_up(keys + 1, 2);  // + 1: a masked half pair may read one key past the item
+        Carver c{base};
+        auto pairs = [&](int64_t n) { return reinterpret_cast<uint32_t*>(c.take(n)); };
+        auto halves = [&](int64_t n) { return reinterpret_cast<uint16_t*>(c.take((n + 1) / 2)); };
+        x.qp = pairs(x.d2 * kGroupRows);
+        x.dop = pairs(x.dv2 * kGroupRows);
+        x.qrp = pairs(kGroupRows / 2 * x.ldq);
+        x.dorp = pairs(kGroupRows / 2 * x.ldo);
+        x.dsp = pairs((BC + 1) / 2 * RB);
+        x.kb = halves(keys * 2 * x.d2);
+        x.vb = halves(keys * 2 * x.dv2);
+        x.kT = halves(p.d * x.ldkt);
+        x.pT = halves(BC * RB);
+        x.dsT = halves(BC * RB);
+        *floats = c.used;
+        return x;
+    }
+    static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
+
+    static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
+        for (int64_t d = 0; d < 2 * x.d2; ++d) {
+            const uint16_t h = d < D ? f32_to_bf16(k[d]) : 0;
+            x.kb[c * 2 * x.d2 + d] = h;
+            if (d < D) x.kT[d * x.ldkt + c] = h;
+        }
+        for (int64_t j = 0; j < 2 * x.dv2; ++j) x.vb[c * 2 * x.dv2 + j] = j < Dv ? f32_to_bf16(v[j]) : 0;
+        if (c == 0)  // K^T's padding columns (keys, ldkt): zero
+            for (int64_t d = 0; d < D; ++d)
+                for (int64_t e = x.keys; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;
+    }
+    // Row r of the group in both pair layouts (q / dO null: a padding row of zeros).
+    static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
+        if (q) G::pack_q_row(reinterpret_cast<float*>(x.qp), kGroupRows, r, q, D, 1.f);
+        else G::zero_q_row(reinterpret_cast<float*>(x.qp), kGroupRows, r, D);
+        if (dO) G::pack_q_row(reinterpret_cast<float*>(x.dop), kGroupRows, r, dO, Dv, 1.f);
+        else G::zero_q_row(reinterpret_cast<float*>(x.dop), kGroupRows, r, Dv);
+        pack_row_pairs(x.qrp, x.ldq, r, q, D);
+        pack_row_pairs(x.dorp, x.ldo, r, dO, Dv);
+    }
+    // Half (r & 1) of pair (r / 2, j) of a [GR/2][ld] row-pair panel: row r's feature j.
+    static void pack_row_pairs(uint32_t* panel_pairs, int64_t ld, int64_t r, const float* row, int64_t n) {
+        uint16_t* h = reinterpret_cast<uint16_t*>(panel_pairs + (r / 2) * ld) + (r & 1);
+        for (int64_t j = 0; j < ld; ++j) h[2 * j] = row && j < n ? f32_to_bf16(row[j]) : 0;
+    }
+
+    static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t, int64_t, float* s, float* dp) {
+        PairGemm::run<false>(nv, n, x.qp + r0, kGroupRows, x.kb + ck * 2 * x.d2, 2 * x.d2, x.d2, false, s, RB);
+        PairGemm::run<false>(nv, n, x.dop + r0, kGroupRows, x.vb + ck * 2 * x.dv2, 2 * x.dv2, x.dv2, false, dp, RB);
+    }
+    static void updates(Bufs& x, int nv, int64_t r0, int64_t rows, int64_t ck, int64_t n, int64_t D, const float* s,
+                        const float* dp, float* dkall, float* dvall, float* dqT) {
+        // P^T, dS^T as bf16 rows of keys (rows along), dS as pairs of keys (rows in lanes).
+        for (int64_t c = 0; c < n; ++c)
+            for (int v = 0; v < nv; ++v) {
+                const int64_t at = c * RB + v * W;
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + at)));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(dp + at)));
+            }
+        const int64_t n2 = (n + 1) / 2;
+        for (int64_t c2 = 0; c2 < n2; ++c2)
+            for (int v = 0; v < nv; ++v) {
+                const __m512 e0 = _mm512_loadu_ps(dp + 2 * c2 * RB + v * W);
+                const __m512 e1 = 2 * c2 + 1 < n ? _mm512_loadu_ps(dp + (2 * c2 + 1) * RB + v * W) : _mm512_setzero_ps();
+                G::store_p_pair(reinterpret_cast<float*>(x.dsp), c2, v, e0, e1);
+            }
+        const int64_t rows2 = (rows + 1) / 2, pr0 = r0 / 2;  // padding rows: P = dS = 0, zero operands
+        PairGemm::run_features(x.ldo / W, n, x.dorp + pr0 * x.ldo, x.ldo, x.pT, RB, rows2, dvall + ck * x.ldo, x.ldo);
+        PairGemm::run_features(x.ldq / W, n, x.qrp + pr0 * x.ldq, x.ldq, x.dsT, RB, rows2, dkall + ck * x.ldq, x.ldq);
+        PairGemm::run<true>(nv, D, x.dsp, RB, x.kT + ck, x.ldkt, n2, n % 2 != 0, dqT + r0 * D, RB);
+    }
+};
+
+// The backward of the bf16 families: bf16 inputs on Bf16Products, the others on float32.
+struct Bf16Backward {
+    using F32 = BackwardLoop<V512>;
+    using Bf16 = BackwardLoop<V512, Bf16Products>;
+    static_assert(F32::BC == Bf16::BC, "one key tile for the driver's splits");
+    static constexpr int64_t BC = F32::BC;
+    static int64_t scratch_floats(const BackwardParams& p, int64_t keys) {
+        return DType(p.f.dtype) == DType::bf16 ? Bf16::scratch_floats(p, keys) : F32::scratch_floats(p, keys);
+    }
+    static void run_item(const BackwardParams& p, const BackwardItem& it, float* scratch, float* dq_part) {
+        if (DType(p.f.dtype) == DType::bf16) Bf16::run_item(p, it, scratch, dq_part);
+        else F32::run_item(p, it, scratch, dq_part);
+    }
+};
+
+}  // namespace
+}  // namespace fa2cpu
