@@ -10,6 +10,7 @@ with one printed line). `FA2CPU_DISABLE=amx,avx512bf16` leaves families out on p
 compiled in parallel (`FA2CPU_BUILD_JOBS`, default: the CPUs available); `FA2CPU_EXTRA_CFLAGS`
 adds flags to every file (e.g. sanitizers).
 """
+import glob
 import os
 import platform
 import re
@@ -184,6 +185,11 @@ ext = Extension(
              "csrc/driver/driver.cpp", "csrc/driver/backward.cpp", "csrc/driver/pool.cpp"],
     include_dirs=INCLUDES,
     language="c++",
+    # Every C++ file: a changed header or family file must rebuild the extension (the family
+    # objects are compiled in build_extension, which setuptools skips when only `sources` are
+    # compared with the built .so).
+    depends=sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cpp", recursive=True)
+                   + glob.glob("csrc/**/*.def", recursive=True)),
 )
 
 setup(
