@@ -28,26 +28,26 @@ def _through_numpy(function, q, v, out, return_lse, *args, **kwargs):
 
 
 def _fa_impl(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads,
-             return_lse, out):
+             return_lse, out, sinks=None):
     """flash_attention on tensors -> (out, lse or None); ``out`` None = a new tensor."""
     return _through_numpy(_api.flash_attention, q, v, out, return_lse, _np("q", q), _np("k", k), _np("v", v),
                           causal=causal, scale=scale, window=window, softcap=softcap,
                           alibi_slopes=_np_opt("alibi_slopes", alibi_slopes), mask=_np_opt("mask", mask),
-                          layout=layout, num_threads=num_threads)
+                          layout=layout, num_threads=num_threads, sinks=_np_opt("sinks", sinks))
 
 
 def _varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                 window, softcap, alibi_slopes, num_threads, return_lse, out):
+                 window, softcap, alibi_slopes, num_threads, return_lse, out, sinks=None):
     """flash_attention_varlen on tensors -> (out, lse or None)."""
     return _through_numpy(_api.flash_attention_varlen, q, v, out, return_lse, _np("q", q), _np("k", k),
                           _np("v", v), _np("cu_seqlens_q", cu_seqlens_q), _np("cu_seqlens_k", cu_seqlens_k),
                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
                           window=window, softcap=softcap, alibi_slopes=_np_opt("alibi_slopes", alibi_slopes),
-                          num_threads=num_threads)
+                          num_threads=num_threads, sinks=_np_opt("sinks", sinks))
 
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
-                  softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout):
+                  softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks=None):
     """flash_attention_with_kvcache on tensors -> (out, lse or None): NumPy views (memoised for
     the long-lived caches), then the NumPy API's one validation, append and launch. A new out is
     allocated by NumPy and wrapped (half the cost of torch.empty on the decode path)."""
@@ -58,7 +58,7 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
         None if k is None else _np("k", k), None if v is None else _np("v", v), cache_seqlens,
         None if block_table is None else _np("block_table", block_table), causal, scale, window, softcap,
         _np_opt("alibi_slopes", alibi_slopes), return_lse, num_splits, num_threads,
-        None if out is None else _np("out", out), layout)
+        None if out is None else _np("out", out), layout, _np_opt("sinks", sinks))
     if k is not None:
         torch._C._increment_version((k_cache, v_cache))
     if out is None:
@@ -76,8 +76,8 @@ def _lse_grad_pass(backward, dlse_rows, q, k, v, lse, **options):
     dout = (-dlse_rows).astype(q.dtype)
     ones = np.ones(dout.shape, q.dtype)
     zeros = np.zeros(v.shape[:-1] + (1,), q.dtype)
-    dq, dk, _ = backward(dout, q, k, zeros, ones, lse, **options)
-    return dq, dk
+    dq, dk, _, *dsinks = backward(dout, q, k, zeros, ones, lse, **options)
+    return dq, dk, (dsinks[0] if dsinks else None)   # with sinks: d(sum dlse * lse)/d sinks too
 
 
 def _add(a, b):
@@ -86,16 +86,19 @@ def _add(a, b):
 
 
 def _gradient_tensors(backward, dout, q, k, v, out, lse, dlse_rows, options):
-    """(dq, dk, dv) tensors from the NumPy ``backward(dout, q, k, v, out, lse, **options)``, plus
-    the gradients in q and k of ``sum(dlse * lse)`` when ``dlse_rows`` (see _lse_grad_pass) is
-    given."""
+    """(dq, dk, dv, dsinks) tensors from the NumPy ``backward(dout, q, k, v, out, lse, **options)``,
+    plus the gradients of ``sum(dlse * lse)`` when ``dlse_rows`` (see _lse_grad_pass) is given;
+    dsinks is an empty float32 tensor without sinks."""
     arrays = [_np(name, t) for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))]
-    dq, dk, dv = backward(*arrays, **options)
+    dq, dk, dv, *dsinks = backward(*arrays, **options)
+    dsinks = dsinks[0] if dsinks else np.zeros(0, np.float32)
     if dlse_rows is not None:
         _, q_view, k_view, v_view, _, lse_view = arrays
-        lse_dq, lse_dk = _lse_grad_pass(backward, dlse_rows, q_view, k_view, v_view, lse_view, **options)
+        lse_dq, lse_dk, lse_dsinks = _lse_grad_pass(backward, dlse_rows, q_view, k_view, v_view, lse_view, **options)
         dq, dk = _add(dq, lse_dq), _add(dk, lse_dk)
-    return _tensor(dq), _tensor(dk), _tensor(dv)
+        if lse_dsinks is not None:
+            dsinks = dsinks + lse_dsinks
+    return _tensor(dq), _tensor(dk), _tensor(dv), torch.from_numpy(np.ascontiguousarray(dsinks, np.float32))
 
 
 _MASK_GRAD = ("flash_attention: gradients with mask= are not supported (fa2cpu's backward has no "
@@ -104,8 +107,8 @@ _MASK_GRAD = ("flash_attention: gradients with mask= are not supported (fa2cpu's
 
 
 def _bwd_impl(dout, q, k, v, out, lse, dlse, causal, scale, window, softcap, alibi_slopes, layout,
-              num_threads, has_mask):
-    """(dq, dk, dv) tensors of flash_attention, gradients of out and (if nonzero) of lse."""
+              num_threads, has_mask, sinks=None):
+    """(dq, dk, dv, dsinks) tensors of flash_attention, gradients of out and (if nonzero) of lse."""
     if has_mask:
         raise NotImplementedError(_MASK_GRAD)
     dlse_rows = None
@@ -113,13 +116,14 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, causal, scale, window, softcap, ali
         dlse_view = _np("dlse", dlse)
         dlse_rows = dlse_view.transpose(0, 2, 1)[..., None] if layout == "bshd" else dlse_view[..., None]
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
-                   alibi_slopes=_np_opt("alibi_slopes", alibi_slopes), layout=layout, num_threads=num_threads)
+                   alibi_slopes=_np_opt("alibi_slopes", alibi_slopes), layout=layout, num_threads=num_threads,
+                   sinks=_np_opt("sinks", sinks))
     return _gradient_tensors(_np_backward, dout, q, k, v, out, lse, dlse_rows, options)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, causal, scale, window, softcap, alibi_slopes, num_threads):
-    """(dq, dk, dv) tensors of flash_attention_varlen, gradients of out and (if nonzero) of lse."""
+                     max_seqlen_k, causal, scale, window, softcap, alibi_slopes, num_threads, sinks=None):
+    """(dq, dk, dv, dsinks) tensors of flash_attention_varlen, gradients of out and (if nonzero) of lse."""
     offsets = (_np("cu_seqlens_q", cu_seqlens_q), _np("cu_seqlens_k", cu_seqlens_k))
 
     def backward(dout, q, k, v, out, lse, **options):  # the varlen backward with this call's offsets
@@ -129,7 +133,7 @@ def _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
         dlse_rows = _np("dlse", dlse).T[..., None]                  # (total_q, Hq, 1)
     options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale,
                    window=window, softcap=softcap, alibi_slopes=_np_opt("alibi_slopes", alibi_slopes),
-                   num_threads=num_threads)
+                   num_threads=num_threads, sinks=_np_opt("sinks", sinks))
     return _gradient_tensors(backward, dout, q, k, v, out, lse, dlse_rows, options)
 
 
@@ -146,29 +150,31 @@ _LIB = torch.library.Library("fa2cpu", "DEF")
 _OPTIONS = "bool causal, float? scale, int[] window, float? softcap, Tensor? alibi_slopes"
 _SCHEMAS = {
     "flash_attention":
-        f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, Tensor? mask, str layout, int? num_threads)"
-        " -> (Tensor out, Tensor lse)",
+        f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, Tensor? mask, str layout, int? num_threads,"
+        " Tensor? sinks=None) -> (Tensor out, Tensor lse)",
     "flash_attention_out":
         f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, Tensor? mask, str layout, int? num_threads,"
-        " bool return_lse, Tensor(a!) out) -> Tensor lse",
+        " bool return_lse, Tensor(a!) out, Tensor? sinks=None) -> Tensor lse",
     "flash_attention_backward":
         f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, {_OPTIONS},"
-        " str layout, int? num_threads, bool has_mask) -> (Tensor dq, Tensor dk, Tensor dv)",
+        " str layout, int? num_threads, bool has_mask, Tensor? sinks=None)"
+        " -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)",
     "flash_attention_varlen":
         "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int? max_seqlen_q,"
-        f" int? max_seqlen_k, {_OPTIONS}, int? num_threads) -> (Tensor out, Tensor lse)",
+        f" int? max_seqlen_k, {_OPTIONS}, int? num_threads, Tensor? sinks=None) -> (Tensor out, Tensor lse)",
     "flash_attention_varlen_out":
         "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int? max_seqlen_q,"
-        f" int? max_seqlen_k, {_OPTIONS}, int? num_threads, bool return_lse, Tensor(a!) out) -> Tensor lse",
+        f" int? max_seqlen_k, {_OPTIONS}, int? num_threads, bool return_lse, Tensor(a!) out,"
+        " Tensor? sinks=None) -> Tensor lse",
     "flash_attention_varlen_backward":
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse,"
         " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k,"
-        f" {_OPTIONS}, int? num_threads) -> (Tensor dq, Tensor dk, Tensor dv)",
+        f" {_OPTIONS}, int? num_threads, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)",
     # cache_seqlens / cache_seqlens_int: the tensor and int forms of the public argument.
     "flash_attention_with_kvcache":
         "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens,"
         f" int? cache_seqlens_int, Tensor? block_table, {_OPTIONS}, bool return_lse, int num_splits,"
-        " int? num_threads, Tensor(c!) out, str layout) -> Tensor lse",
+        " int? num_threads, Tensor(c!) out, str layout, Tensor? sinks=None) -> Tensor lse",
 }
 
 
@@ -191,36 +197,42 @@ def _no_lse(q):
 
 
 # flash_attention ------------------------------------------------------------------------------
-def _cpu_fa(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads):
+def _cpu_fa(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads, sinks=None):
     return _fa_impl(q, k, v, causal, scale, tuple(window), softcap, alibi_slopes, mask, layout,
-                    num_threads, True, None)
+                    num_threads, True, None, sinks)
 
 
-def _fake_fa(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads):
+def _fake_fa(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads, sinks=None):
     return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
             q.new_empty(_lse_shape(q, layout), dtype=torch.float32))
 
 
 def _cpu_fa_out(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads,
-                return_lse, out):
+                return_lse, out, sinks=None):
     _, lse = _fa_impl(q, k, v, causal, scale, tuple(window), softcap, alibi_slopes, mask, layout,
-                      num_threads, return_lse, out)
+                      num_threads, return_lse, out, sinks)
     return lse if return_lse else _no_lse(q)
 
 
 def _fake_fa_out(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads,
-                 return_lse, out):
+                 return_lse, out, sinks=None):
     return q.new_empty(_lse_shape(q, layout), dtype=torch.float32) if return_lse else _no_lse(q)
 
 
 def _cpu_fa_bwd(dout, q, k, v, out, lse, dlse, causal, scale, window, softcap, alibi_slopes,
-                layout, num_threads, has_mask):
+                layout, num_threads, has_mask, sinks=None):
     return _bwd_impl(dout, q, k, v, out, lse, dlse, causal, scale, tuple(window), softcap,
-                     alibi_slopes, layout, num_threads, has_mask)
+                     alibi_slopes, layout, num_threads, has_mask, sinks)
 
 
-def _fake_bwd(dout, q, k, v, *rest):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _fake_gradients(q, k, v, sinks):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((0 if sinks is None else sinks.shape[0],), dtype=torch.float32))
+
+
+def _fake_fa_bwd(dout, q, k, v, out, lse, dlse, causal, scale, window, softcap, alibi_slopes, layout,
+                 num_threads, has_mask, sinks=None):
+    return _fake_gradients(q, k, v, sinks)
 
 
 def _save_for_backward(ctx, q, k, v, out, lse, rest):
@@ -240,29 +252,31 @@ def _backward_through(name, n_inputs):
         rest = [next(saved) if is_tensor else a for a, is_tensor in zip(ctx.rest, ctx.tensor_slots)]
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = getattr(torch.ops.fa2cpu, name)(dout, q, k, v, out, lse, dlse, *rest)
-        return (dq, dk, dv) + (None,) * (n_inputs - 3)
+        dq, dk, dv, dsinks = getattr(torch.ops.fa2cpu, name)(dout, q, k, v, out, lse, dlse, *rest)
+        # the last input is sinks (None, or a tensor that may require grad)
+        return (dq, dk, dv) + (None,) * (n_inputs - 4) + (dsinks if rest[-1] is not None else None,)
     return backward
 
 
 def _fa_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads = inputs
+    q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads, *sinks = inputs
+    sinks = sinks[0] if sinks else None
     _save_for_backward(ctx, q, k, v, *output,
-                       (causal, scale, window, softcap, alibi_slopes, layout, num_threads, mask is not None))
+                       (causal, scale, window, softcap, alibi_slopes, layout, num_threads, mask is not None, sinks))
 
 
 _define("flash_attention", _cpu_fa, _fake_fa)
 _define("flash_attention_out", _cpu_fa_out, _fake_fa_out)
-_define("flash_attention_backward", _cpu_fa_bwd, _fake_bwd)
-torch.library.register_autograd("fa2cpu::flash_attention", _backward_through("flash_attention_backward", 11),
+_define("flash_attention_backward", _cpu_fa_bwd, _fake_fa_bwd)
+torch.library.register_autograd("fa2cpu::flash_attention", _backward_through("flash_attention_backward", 12),
                                 setup_context=_fa_setup_context, lib=_LIB)
 
 
 # flash_attention_varlen -----------------------------------------------------------------------
 def _cpu_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                window, softcap, alibi_slopes, num_threads):
+                window, softcap, alibi_slopes, num_threads, sinks=None):
     return _varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                        scale, tuple(window), softcap, alibi_slopes, num_threads, True, None)
+                        scale, tuple(window), softcap, alibi_slopes, num_threads, True, None, sinks)
 
 
 def _fake_varlen(q, k, v, *rest):
@@ -271,50 +285,56 @@ def _fake_varlen(q, k, v, *rest):
 
 
 def _cpu_varlen_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                    window, softcap, alibi_slopes, num_threads, return_lse, out):
+                    window, softcap, alibi_slopes, num_threads, return_lse, out, sinks=None):
     _, lse = _varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                          scale, tuple(window), softcap, alibi_slopes, num_threads, return_lse, out)
+                          scale, tuple(window), softcap, alibi_slopes, num_threads, return_lse, out, sinks)
     return lse if return_lse else _no_lse(q)
 
 
-def _fake_varlen_out(q, k, v, *rest):
-    return_lse = rest[-2]
+def _fake_varlen_out(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                     window, softcap, alibi_slopes, num_threads, return_lse, out, sinks=None):
     return q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else _no_lse(q)
 
 
 def _cpu_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, causal, scale, window, softcap, alibi_slopes, num_threads):
+                    max_seqlen_k, causal, scale, window, softcap, alibi_slopes, num_threads, sinks=None):
     return _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, causal, scale, tuple(window), softcap, alibi_slopes,
-                            num_threads)
+                            num_threads, sinks)
+
+
+def _fake_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     causal, scale, window, softcap, alibi_slopes, num_threads, sinks=None):
+    return _fake_gradients(q, k, v, sinks)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    q, k, v, *rest = inputs   # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, num_threads
-    _save_for_backward(ctx, q, k, v, *output, rest)
+    q, k, v, *rest = inputs   # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options, num_threads[, sinks]
+    _save_for_backward(ctx, q, k, v, *output, rest + [None] * (11 - len(rest)))
 
 
 _define("flash_attention_varlen", _cpu_varlen, _fake_varlen)
 _define("flash_attention_varlen_out", _cpu_varlen_out, _fake_varlen_out)
-_define("flash_attention_varlen_backward", _cpu_varlen_bwd, _fake_bwd)
+_define("flash_attention_varlen_backward", _cpu_varlen_bwd, _fake_varlen_bwd)
 torch.library.register_autograd("fa2cpu::flash_attention_varlen",
-                                _backward_through("flash_attention_varlen_backward", 13),
+                                _backward_through("flash_attention_varlen_backward", 14),
                                 setup_context=_varlen_setup_context, lib=_LIB)
 
 
 # flash_attention_with_kvcache -----------------------------------------------------------------
 def _cpu_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table, causal,
                  scale, window, softcap, alibi_slopes, return_lse, num_splits, num_threads, out,
-                 layout):
+                 layout, sinks=None):
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     _, lse = _kvcache_impl(q, k_cache, v_cache, k, v, seqlens, block_table, causal, scale,
                            tuple(window), softcap, alibi_slopes, return_lse, num_splits,
-                           num_threads, out, layout)
+                           num_threads, out, layout, sinks)
     return lse if return_lse else _no_lse(q)
 
 
-def _fake_kvcache(q, *rest):
-    return_lse, layout = rest[-5], rest[-1]
+def _fake_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table, causal,
+                  scale, window, softcap, alibi_slopes, return_lse, num_splits, num_threads, out,
+                  layout, sinks=None):
     if not return_lse:
         return _no_lse(q)
     return q.new_empty(_lse_shape(q, "bshd" if layout == "bshd" else "bhsd"), dtype=torch.float32)

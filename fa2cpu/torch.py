@@ -49,12 +49,17 @@ __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kv
 _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
 
+def _sinks_need_grad(sinks):
+    """A sinks tensor that autograd must differentiate (the operator path records it)."""
+    return sinks is not None and torch.is_grad_enabled() and getattr(sinks, "requires_grad", False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------
 def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softcap=None,
                     alibi_slopes=None, mask=None, return_lse=False, layout="bhsd",
-                    num_threads=None, out=None):
+                    num_threads=None, out=None, sinks=None):
     """:func:`fa2cpu.flash_attention` on tensors: exact attention, results are tensors.
 
     Same arguments, shapes, layouts (``"bhsd"`` (B, H, N, D) with 3-D/2-D also accepted, or
@@ -64,7 +69,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     ``alibi_slopes`` (float32) and ``mask`` are tensors too. ``out`` (a tensor of the exact shape
     and dtype) is written in place and returned.
 
-    Differentiable in q, k and v (``torch.ops.fa2cpu.flash_attention`` with
+    ``sinks``: float32 tensor ``(Hq,)`` of attention sinks (see the NumPy function).
+    Differentiable in q, k, v and sinks (``torch.ops.fa2cpu.flash_attention`` with
     ``torch.library.register_autograd``; the backward is ``fa2cpu.flash_attention_backward``,
     gradients in the input dtype, float32 accumulation; a gradient flowing into the returned lse
     is included). Not differentiable with ``mask=`` (the backward raises NotImplementedError) or
@@ -74,58 +80,58 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     Returns ``out`` (q's shape with last dim Dv), or ``(out, lse)`` with lse float32 ``(B, Hq, Nq)``
     (``(Hq, Nq)`` / ``(Nq,)`` for 3-D / 2-D inputs).
     """
-    if _direct(q, k, v):
+    if _direct(q, k, v) and not _sinks_need_grad(sinks):
         o, lse = _fa_impl(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout,
-                          num_threads, return_lse, out)
+                          num_threads, return_lse, out, sinks)
         return (o, lse) if return_lse else o
-    _check_tensors(q=q, k=k, v=v, alibi_slopes=alibi_slopes, mask=mask, out=out)
+    _check_tensors(q=q, k=k, v=v, alibi_slopes=alibi_slopes, mask=mask, out=out, sinks=sinks)
     args = (q, k, v, _bool("causal", causal), _float_arg("scale", scale), _window_arg(window),
             _float_arg("softcap", softcap), alibi_slopes, mask, layout,
             _int_arg("num_threads", num_threads, 1))
     if out is not None:
         _no_grad_out("flash_attention", q, k, v)
-        lse = torch.ops.fa2cpu.flash_attention_out(*args, bool(return_lse), out)
+        lse = torch.ops.fa2cpu.flash_attention_out(*args, bool(return_lse), out, sinks)
         return (out, lse) if return_lse else out
-    o, lse = torch.ops.fa2cpu.flash_attention(*args)
+    o, lse = torch.ops.fa2cpu.flash_attention(*args, sinks)
     return (o, lse) if return_lse else o
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                            max_seqlen_k=None, causal=False, scale=None, window=(-1, -1),
                            softcap=None, alibi_slopes=None, return_lse=False,
-                           num_threads=None, out=None):
+                           num_threads=None, out=None, sinks=None):
     """:func:`fa2cpu.flash_attention_varlen` on tensors: attention over packed ragged sequences.
 
     q ``(total_q, Hq, D)``, k ``(total_k, Hk, D)``, v ``(total_k, Hk, Dv)`` CPU tensors of one
     kernel dtype; ``cu_seqlens_q``/``cu_seqlens_k`` int32/int64 tensors ``(B+1,)`` (start 0,
     non-decreasing, last = total); masks aligned per sequence (bottom-right). Other arguments as
-    in :func:`flash_attention`. Differentiable in q, k, v (per-sequence FlashAttention-2
-    backward). Returns ``out (total_q, Hq, Dv)`` or ``(out, lse)`` with lse float32
+    in :func:`flash_attention` (``sinks`` included). Differentiable in q, k, v and sinks
+    (per-sequence FlashAttention-2 backward). Returns ``out (total_q, Hq, Dv)`` or ``(out, lse)`` with lse float32
     ``(Hq, total_q)``.
     """
-    if _direct(q, k, v):
+    if _direct(q, k, v) and not _sinks_need_grad(sinks):
         o, lse = _varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, scale, window, softcap, alibi_slopes, num_threads,
-                              return_lse, out)
+                              return_lse, out, sinks)
         return (o, lse) if return_lse else o
     _check_tensors(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                   alibi_slopes=alibi_slopes, out=out)
+                   alibi_slopes=alibi_slopes, out=out, sinks=sinks)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, _int_arg("max_seqlen_q", max_seqlen_q, 0),
             _int_arg("max_seqlen_k", max_seqlen_k, 0), _bool("causal", causal),
             _float_arg("scale", scale), _window_arg(window), _float_arg("softcap", softcap),
             alibi_slopes, _int_arg("num_threads", num_threads, 1))
     if out is not None:
         _no_grad_out("flash_attention_varlen", q, k, v)
-        lse = torch.ops.fa2cpu.flash_attention_varlen_out(*args, bool(return_lse), out)
+        lse = torch.ops.fa2cpu.flash_attention_varlen_out(*args, bool(return_lse), out, sinks)
         return (out, lse) if return_lse else out
-    o, lse = torch.ops.fa2cpu.flash_attention_varlen(*args)
+    o, lse = torch.ops.fa2cpu.flash_attention_varlen(*args, sinks)
     return (o, lse) if return_lse else o
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                                  block_table=None, causal=False, scale=None, window=(-1, -1),
                                  softcap=None, alibi_slopes=None, return_lse=False,
-                                 num_splits=0, num_threads=None, out=None, layout="bshd"):
+                                 num_splits=0, num_threads=None, out=None, layout="bshd", sinks=None):
     """:func:`fa2cpu.flash_attention_with_kvcache` on tensors: decode / chunked prefill.
 
     ``layout="bshd"`` (flash-attn order, the default): q ``(B, Nq, Hq, D)``; contiguous cache
@@ -144,21 +150,21 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     """
     if _direct(q, k_cache, v_cache, differentiable=False):
         o, lse = _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
-                               softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout)
+                               softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks)
         return (o, lse) if return_lse else o
     if isinstance(cache_seqlens, torch.Tensor) or cache_seqlens is None:
         seqlens, seqlens_int = cache_seqlens, None
     else:
         seqlens, seqlens_int = None, _int("cache_seqlens", cache_seqlens)
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
-                   alibi_slopes=alibi_slopes, out=out)
+                   alibi_slopes=alibi_slopes, out=out, sinks=sinks)
     if out is None:
         out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])
     lse = torch.ops.fa2cpu.flash_attention_with_kvcache(
         q, k_cache, v_cache, k, v, seqlens, seqlens_int, block_table, _bool("causal", causal),
         _float_arg("scale", scale), _window_arg(window), _float_arg("softcap", softcap),
         alibi_slopes, bool(return_lse), _int("num_splits", num_splits, 0),
-        _int_arg("num_threads", num_threads, 1), out, layout)
+        _int_arg("num_threads", num_threads, 1), out, layout, sinks)
     return (out, lse) if return_lse else out
 
 

@@ -441,3 +441,62 @@ def test_mask_gradient_is_refused(rng):
     out = ft.flash_attention(q, q, q, mask=torch.ones(3, 3, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="mask"):
         out.sum().backward()
+
+
+# ------------------------------------------------------------------------------ sinks
+
+def test_sinks_forward_matches_numpy_and_gradients_match_reference(rng):
+    B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 33, 70, 16
+    q, k, v, dout = (rand(rng, s) for s in ((B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, D), (B, Hq, Nq, D)))
+    sinks = (rng.standard_normal(Hq) * 2).astype(np.float32)
+    want = fa2cpu.flash_attention(q, k, v, causal=True, sinks=sinks)
+    same(ft.flash_attention(T(q), T(k), T(v), causal=True, sinks=T(sinks)), want)  # eager, no grad
+    tq, tk, tv, ts = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v, sinks))
+    out = ft.flash_attention(tq, tk, tv, causal=True, sinks=ts)
+    same(out.detach(), want)
+    out.backward(torch.from_numpy(dout))
+    r_dq, r_dk, r_dv, r_ds = ref.attention_backward_ref(dout, q, k, v, causal=True, sinks=sinks)
+    for name, t, r in (("dq", tq, r_dq), ("dk", tk, r_dk), ("dv", tv, r_dv)):
+        check_close(N(t.grad), r, "float32", name)
+    np.testing.assert_allclose(ts.grad.numpy(), r_ds, rtol=1e-4, atol=1e-5)
+
+
+def test_sinks_only_need_grad(rng):
+    """sinks alone requiring grad (an nn.Parameter of a frozen model) still gets its gradient."""
+    q, k, v = (torch.from_numpy(rand(rng, (1, 2, 9, 8))) for _ in range(3))
+    sinks = torch.zeros(2, requires_grad=True)
+    out, lse = ft.flash_attention(q, k, v, sinks=sinks, return_lse=True)
+    (out.sum() + lse.sum()).backward()
+    eps = 1e-3
+    with torch.no_grad():
+        for h in range(2):
+            plus, minus = sinks.detach().clone(), sinks.detach().clone()
+            plus[h] += eps
+            minus[h] -= eps
+            f = [sum(t.sum() for t in ft.flash_attention(q, k, v, sinks=s, return_lse=True)) for s in (plus, minus)]
+            assert abs(float((f[0] - f[1]) / (2 * eps)) - float(sinks.grad[h])) < 1e-2
+
+
+def test_sinks_varlen_and_kvcache(rng):
+    cu = np.array([0, 5, 5, 40], np.int64)
+    q, k, v, dout = (rand(rng, (40, 2, 16)) for _ in range(4))
+    sinks = np.array([0.5, -1.5], np.float32)
+    tq, tk, tv, ts = (torch.from_numpy(x.copy()).requires_grad_() for x in (q, k, v, sinks))
+    out = ft.flash_attention_varlen(tq, tk, tv, torch.from_numpy(cu), torch.from_numpy(cu), causal=True, sinks=ts)
+    same(out.detach(), fa2cpu.flash_attention_varlen(q, k, v, cu, cu, causal=True, sinks=sinks))
+    out.backward(torch.from_numpy(dout))
+    o_np, lse_np = fa2cpu.flash_attention_varlen(q, k, v, cu, cu, causal=True, sinks=sinks, return_lse=True)
+    *_, ds = fa2cpu.flash_attention_varlen_backward(dout, q, k, v, o_np, lse_np, cu, cu, causal=True, sinks=sinks)
+    np.testing.assert_allclose(ts.grad.numpy(), ds, rtol=1e-5, atol=1e-6)
+    qc, kc, vc = rand(rng, (1, 1, 4, 16)), rand(rng, (1, 32, 2, 16)), rand(rng, (1, 32, 2, 16))
+    s4 = np.array([1.0, 0.0, -1.0, 2.0], np.float32)
+    same(ft.flash_attention_with_kvcache(T(qc), T(kc.copy()), T(vc.copy()), cache_seqlens=20, sinks=T(s4)),
+         fa2cpu.flash_attention_with_kvcache(qc, kc, vc, cache_seqlens=20, sinks=s4))
+
+
+@INDUCTOR_WARNING
+def test_sinks_compile_fullgraph(rng):
+    q, k, v = (torch.from_numpy(rand(rng, (1, 2, 9, 8))) for _ in range(3))
+    sinks = torch.tensor([0.3, -0.7])
+    fn = torch.compile(lambda q, k, v, s: ft.flash_attention(q, k, v, causal=True, sinks=s), fullgraph=True)
+    same(fn(q, k, v, sinks), ft.flash_attention(q, k, v, causal=True, sinks=sinks))
