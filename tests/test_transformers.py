@@ -300,6 +300,48 @@ def test_training_gradients_match_sdpa(pad):
 
 
 # ---------------------------------------------------------------------------------------------
+# gpt-oss: attention sinks (s_aux) reach the kernels
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt_oss():
+    cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=6, max_position_embeddings=256)
+    ref, fa = _pair(cfg, "eager")
+    with torch.no_grad():  # sinks start near 0: make them weigh
+        g = torch.Generator().manual_seed(3)
+        for name, p in ref.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g) * 2)
+    fa.load_state_dict(ref.state_dict())
+    return ref, fa
+
+
+@pytest.mark.parametrize("pad", ["left", "none"])
+def test_gpt_oss_sinks_logits_and_generate(gpt_oss, pad):
+    ref, fa = gpt_oss
+    ids, am = _batch(pad)
+    a, b = _logits(ref, ids, am), _logits(fa, ids, am)
+    assert (a - b)[am.bool()].abs().max().item() < LOGITS_TOL
+    expect = _generate(ref, ids, am)
+    assert torch.equal(_generate(fa, ids, am), expect), "DynamicCache"
+    cache = fh.KVCache(fa.config, max_batch_size=2, max_cache_len=N + NEW)
+    assert torch.equal(_generate(fa, ids, am, cache=cache), expect), "KVCache"
+
+
+def test_gpt_oss_sinks_get_gradients(gpt_oss):
+    ref, fa = gpt_oss
+    ids, _ = _batch("none", n=12)
+    grads = []
+    for model in (ref, fa):
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads.append(model.model.layers[0].self_attn.sinks.grad.clone())
+    assert grads[1].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-5, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
 # examples
 # ---------------------------------------------------------------------------------------------
 def _run_example(args, timeout=120):

@@ -191,7 +191,7 @@ class _KVLayer(CacheLayerMixin):
         spec.memo[memo_key] = plan
         return plan
 
-    def _attend(self, module, query, attention_mask, scaling, softcap, is_causal):
+    def _attend(self, module, query, attention_mask, scaling, softcap, is_causal, sinks=None):
         k_new, v_new = self._pending
         self._pending = None
         B = query.shape[0]
@@ -234,7 +234,7 @@ class _KVLayer(CacheLayerMixin):
             out = _ft.flash_attention_with_kvcache(
                 q, k_cache, v_cache, k_new_bshd, v_new_bshd,
                 cache_seqlens=self.length if self._uniform else seqlens_t, block_table=table,
-                scale=scaling, window=(lo, hi), softcap=softcap)
+                scale=scaling, window=(lo, hi), softcap=softcap, sinks=sinks)
             seqlens += n_new
         elif plan[0] == "compact":  # left-padded prompt: store each sequence's real tokens only
             pads = plan[1]
@@ -246,9 +246,10 @@ class _KVLayer(CacheLayerMixin):
             self.offsets[:B], seqlens[:] = pads, lens
             self._set_batch(B)
             out = _ft.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens_t, block_table=table,
-                                                   scale=scaling, window=(lo, hi), softcap=softcap)
+                                                   scale=scaling, window=(lo, hi), softcap=softcap, sinks=sinks)
         else:
-            out = self._attend_general(q, k_new_bshd, v_new_bshd, attention_mask, spec, dense, lo, hi, scaling, softcap)
+            out = self._attend_general(q, k_new_bshd, v_new_bshd, attention_mask, spec, dense, lo, hi, scaling, softcap,
+                                       sinks)
         self.length = total
         return out
 
@@ -279,7 +280,7 @@ class _KVLayer(CacheLayerMixin):
         self.offsets[:B] = 0
         self._set_batch(B)
 
-    def _attend_general(self, q, k_new_bshd, v_new_bshd, row, spec, dense, lo, hi, scaling, softcap):
+    def _attend_general(self, q, k_new_bshd, v_new_bshd, row, spec, dense, lo, hi, scaling, softcap, sinks=None):
         """Any padding pattern or a dense mask: sequences stored at transformers' positions, new
         tokens written in place, then attention over [0, length + N) with the padding row (or the
         dense mask)."""
@@ -299,7 +300,7 @@ class _KVLayer(CacheLayerMixin):
         else:
             mask, window = (row if spec is not None and spec.has_padding else None), (lo, hi)
         return _ft.flash_attention(q, keys, values, scale=scaling, window=window, softcap=softcap,
-                                   mask=mask, layout="bshd")
+                                   mask=mask, layout="bshd", sinks=sinks)
 
 
 _APPEND, _GENERAL = ("append", None), ("general", None)

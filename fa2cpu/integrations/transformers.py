@@ -73,7 +73,7 @@ __all__ = ["register", "fa2cpu_attention_forward", "fa2cpu_mask", "KVCache", "Ma
 # ---------------------------------------------------------------------------------------------
 # The attention function
 # ---------------------------------------------------------------------------------------------
-def _reference_attention(query, key, value, mask, scaling, softcap, dropout=0.0, training=False):
+def _reference_attention(query, key, value, mask, scaling, softcap, dropout=0.0, training=False, sinks=None):
     """Plain torch attention (dense scores) for what the kernels do not cover: dropout in
     training, float64, head dims > 256, gradients through a padding mask without a kernel backward.
     mask: None, bool (True = attend) or float (added), broadcastable to (B, Hq, m, n)."""
@@ -92,7 +92,11 @@ def _reference_attention(query, key, value, mask, scaling, softcap, dropout=0.0,
             seen = mask.any(dim=-1, keepdim=True)
         else:
             s = s + mask.float()
-    p = torch.softmax(s, dim=-1)
+    if sinks is not None:  # one more logit per head with no value (gpt-oss)
+        column = sinks.float().reshape(1, -1, 1, 1).expand(s.shape[0], s.shape[1], s.shape[2], 1)
+        p = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
     if seen is not None:
         p = p * seen  # rows that see no key: 0, like the kernels (and finite gradients)
     if dropout and training:
@@ -194,13 +198,16 @@ def fa2cpu_attention_forward(module, query, key, value, attention_mask, dropout=
     padded tiles are never computed; outputs at padding positions are 0, as with transformers'
     flash_attention_2); otherwise padding reaches the kernels as a broadcast row.
     ``sliding_window`` is not read: the mask of the layer's type carries the window.
+    ``s_aux`` (gpt-oss's attention sinks, one logit per query head) reaches the kernels as
+    ``sinks`` (float32; differentiable).
     """
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("fa2cpu: attention sinks (s_aux) are not supported through transformers yet")
+    sinks = kwargs.get("s_aux")  # gpt-oss: the attention module's sinks, one logit per query head
+    if sinks is not None and sinks.dtype != torch.float32:
+        sinks = sinks.float()
     softcap = softcap if softcap else None
     layer = getattr(key, _PENDING_ATTR, None)
     if layer is not None and layer._pending is not None and layer._pending[0] is key:
-        return layer._attend(module, query, attention_mask, scaling, softcap, is_causal), None
+        return layer._attend(module, query, attention_mask, scaling, softcap, is_causal, sinks), None
 
     b, hq, m, _ = query.shape
     n = key.shape[2]
@@ -215,14 +222,15 @@ def fa2cpu_attention_forward(module, query, key, value, attention_mask, dropout=
             elif segments is not None:
                 dense = dense & attention_mask[..., :n_keys]
         return _reference_attention(query, key[:, :, :n_keys], value[:, :, :n_keys], dense, scaling, softcap,
-                                    dropout, training), None
+                                    dropout, training, sinks), None
     q, k, v = query.transpose(1, 2), key[:, :, :n_keys].transpose(1, 2), value[:, :, :n_keys].transpose(1, 2)
     if segments is not None:
         out = _ft.flash_attention_varlen(q.reshape(b * m, hq, q.shape[-1]), k.reshape(b * n, k.shape[2], k.shape[3]),
                                          v.reshape(b * n, v.shape[2], v.shape[3]), segments[0], segments[1],
-                                         scale=scaling, window=window, softcap=softcap)
+                                         scale=scaling, window=window, softcap=softcap, sinks=sinks)
         return out.view(b, m, hq, out.shape[-1]), None
-    out = _ft.flash_attention(q, k, v, scale=scaling, window=window, softcap=softcap, mask=kmask, layout="bshd")
+    out = _ft.flash_attention(q, k, v, scale=scaling, window=window, softcap=softcap, mask=kmask, layout="bshd",
+                              sinks=sinks)
     return out, None
 
 
