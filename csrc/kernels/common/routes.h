@@ -45,7 +45,8 @@ struct TileRoute {
     }
 };
 
-// `Elem<DType>::loop` is the tile loop for one input dtype (gemm_decode.h's DecodeGemm<F32Elem>...).
+// The decode route over one tile loop per input dtype (float32, float16, bfloat16 K/V read in
+// place: gemm_decode.h's DecodeGemm<F32Elem>, <F16Elem>, <Bf16Elem>), chosen per call by p.dtype.
 template <class LoopF32, class LoopF16, class LoopBf16>
 struct DecodeRoute {
     using G = typename LoopF32::G;
