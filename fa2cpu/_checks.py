@@ -23,6 +23,9 @@ from . import _core
 # dtype -> code of the C++ DType enum (csrc/include/fa2cpu/fa2cpu.h)
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}
 _ACCEPTED = "float32, float16 or ml_dtypes.bfloat16"
+# Quantized KV caches (API.md, "Quantized cache"): code dtype -> (C++ DType code, largest code).
+_CODES = {np.dtype(np.int8): (_core.DTYPE_CODES["int8"], 127.0),
+          np.dtype(ml_dtypes.float8_e4m3fn): (_core.DTYPE_CODES["float8_e4m3fn"], 448.0)}
 MAX_HEAD_DIM = 256  # kMaxHeadDim in csrc/include/fa2cpu/fa2cpu.h
 
 # Float limits. The kernels work in the log2 domain: scale, mask values and ALiBi slopes are
@@ -82,6 +85,32 @@ def _same_dtype(ref_name, ref, **arrays):
         if a.dtype != ref.dtype:
             raise TypeError(f"{name}: dtype {a.dtype} does not match {ref_name}'s dtype {ref.dtype}; "
                             f"q, k and v must share one dtype ({_ACCEPTED}), no implicit casts")
+
+
+def _cache_scale(name, scale, cache_name, cache, appending):
+    """k_scale / v_scale of a KV cache (API.md, "Quantized cache"): None, or a float32 ndarray of
+    the cache's shape without the last axis, one scale per stored token and head, written in
+    place when k/v are appended. Returns the array or None."""
+    code = _CODES.get(cache.dtype)
+    if scale is None:
+        if code is not None and cache.dtype == np.int8:
+            raise ValueError(f"{name}: an int8 {cache_name} needs its float32 scales, shape {cache.shape[:-1]} "
+                             f"(the cached value is code * scale)")
+        return None
+    if code is None:
+        raise ValueError(f"{name}: scales go with a quantized (int8 or float8_e4m3fn) cache; {cache_name} is "
+                         f"{cache.dtype}")
+    scale = _data(name, scale)
+    if scale.dtype != np.float32:
+        raise TypeError(f"{name}: dtype {scale.dtype} is not supported; expected float32")
+    if scale.shape != cache.shape[:-1]:
+        raise ValueError(f"{name}: expected shape {cache.shape[:-1]} ({cache_name}'s shape without the last axis), "
+                         f"got {scale.shape}")
+    if not scale.flags.aligned:
+        raise ValueError(f"{name}: data pointer and strides must be aligned to 4 bytes")
+    if appending and not scale.flags.writeable:
+        raise ValueError(f"{name}: array is read-only but k/v are to be appended")
+    return scale
 
 
 def _fix_strides(a):

@@ -108,12 +108,14 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         double scale, double softcap, int64_t win_left, int64_t win_right,
         object alibi, object mask, int mask_kind,
         object cu_q, object cu_k, object seqlen_k, object block_table, int64_t block_size,
-        int num_threads, int num_splits, object sinks=None):
+        int num_threads, int num_splits, object sinks=None, int kv_dtype=-1, object k_scale=None,
+        object v_scale=None):
     """q, k, v, out: 4-D views in (batch, head, position, feature) order (varlen/paged views
     described in csrc/include/fa2cpu/fa2cpu.h); lse: float32 3-D (batch, head, row) view or None;
     alibi: float32 2-D (batch, head) view or None; mask: 4-D uint8/float32 view or None;
     cu_q/cu_k/seqlen_k: int64 contiguous or None; block_table: int32 2-D or None; sinks: float32
-    contiguous (hq,) or None."""
+    contiguous (hq,) or None. kv_dtype: k/v's DType code when they are a quantized cache's codes
+    (-1: dtype); k_scale / v_scale: float32 3-D (batch or block, head, position) views or None."""
     cdef Params p
     cdef int64_t s[4]
     cdef cnp.ndarray a
@@ -140,6 +142,17 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
         p.block_table_batch_stride = cnp.PyArray_STRIDES(a)[0] // 4
         p.block_size = block_size
     p.num_splits = num_splits
+    p.kv_dtype = kv_dtype
+    if k_scale is not None:
+        a = k_scale
+        p.k_scale = <const float*>cnp.PyArray_DATA(a)
+        p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_row_stride = (
+            cnp.PyArray_STRIDES(a)[0] // 4, cnp.PyArray_STRIDES(a)[1] // 4, cnp.PyArray_STRIDES(a)[2] // 4)
+    if v_scale is not None:
+        a = v_scale
+        p.v_scale = <const float*>cnp.PyArray_DATA(a)
+        p.v_scale_batch_stride, p.v_scale_head_stride, p.v_scale_row_stride = (
+            cnp.PyArray_STRIDES(a)[0] // 4, cnp.PyArray_STRIDES(a)[1] // 4, cnp.PyArray_STRIDES(a)[2] // 4)
     cdef int rc
     with nogil:
         rc = c.forward(p)

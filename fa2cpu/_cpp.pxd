@@ -11,6 +11,11 @@ cdef extern from "fa2cpu/fa2cpu.h" namespace "fa2cpu" nogil:
         const int64_t* seqlen_k
         const int32_t* block_table
         int64_t block_table_batch_stride, block_size
+        int kv_dtype
+        const float* k_scale
+        int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride
+        const float* v_scale
+        int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride
         const void* q
         int64_t q_batch_stride, q_head_stride, q_row_stride, q_dim_stride
         const void* k

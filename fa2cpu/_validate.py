@@ -10,7 +10,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _core
-from ._checks import (_DTYPES, _MAX_SPLITS, MAX_HEAD_DIM, _alibi, _array, _cu_seqlens_pair, _data,
+from ._checks import (_CODES, _DTYPES, _MAX_SPLITS, MAX_HEAD_DIM, _alibi, _array, _cache_scale, _cu_seqlens_pair, _data,
                       _dtype_code, _head_dims, _heads, _int, _mask, _Options, _out, _packed, _qkv, _same_dtype,
                       _threads)
 
@@ -49,6 +49,9 @@ class Problem(NamedTuple):
     num_threads: int
     num_splits: int                          # key-axis splits (flash-decoding), 0 = automatic
     sinks: Optional[np.ndarray] = None       # float32 (q_heads,) attention sinks (_checks._sinks)
+    kv_dtype_code: int = -1                  # k/v: a quantized cache's codes (_checks._CODES), -1 = dtype_code
+    k_scale: Optional[np.ndarray] = None     # float32 (batch or block, kv_heads, position) scales of the codes
+    v_scale: Optional[np.ndarray] = None
 
 
 class Append(NamedTuple):
@@ -59,6 +62,8 @@ class Append(NamedTuple):
     k: np.ndarray
     v: np.ndarray
     start: object                            # first position: int (every sequence) or int64 (B,)
+    k_scale: Optional[np.ndarray] = None     # quantized cache: its scales (block, row in block, head)
+    v_scale: Optional[np.ndarray] = None
 
 
 def attention_problem(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout, num_threads,
@@ -113,22 +118,25 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
-                    alibi_slopes, num_splits, num_threads, out, layout):
+                    alibi_slopes, num_splits, num_threads, out, layout, k_scale=None, v_scale=None):
     """flash_attention_with_kvcache's arguments -> (Problem, out in the caller's layout, Append or
     None), with every check (errors name the argument). A decode step first tries
     kvcache_problem_lean, which gives the same result for the common case in a few microseconds."""
     if layout == "bshd":
         return _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale,
-                                window, softcap, alibi_slopes, num_splits, num_threads, out, layout)
+                                window, softcap, alibi_slopes, num_splits, num_threads, out, layout, k_scale, v_scale)
     if layout != "bhsd":
         raise ValueError(f"layout: expected 'bshd' (flash-attn order) or 'bhsd' (PyTorch order), got {layout!r}")
 
-    def swap(a):  # (B, H, N, D) <-> (B, N, H, D); anything else is left for the checks to name
-        return a.transpose(0, 2, 1, 3) if isinstance(a, np.ndarray) and a.ndim == 4 else a
+    def swap(a):  # (B, H, N, D) <-> (B, N, H, D), scales (B, H, N) <-> (B, N, H); else left for the checks
+        if isinstance(a, np.ndarray) and a.ndim in (3, 4):
+            return a.transpose((0, 2, 1, 3)[:a.ndim])
+        return a
     try:
         problem, new_out, append = _kvcache_problem_bshd(
             swap(q), swap(k_cache), swap(v_cache), swap(k), swap(v), cache_seqlens, block_table, causal,
-            scale, window, softcap, alibi_slopes, num_splits, num_threads, swap(out), layout)
+            scale, window, softcap, alibi_slopes, num_splits, num_threads, swap(out), layout, swap(k_scale),
+            swap(v_scale))
     except ValueError as e:
         raise ValueError(f"{e} [shapes shown in (B, N, H, D) order; layout='bhsd' was given]") from None
     return problem, (out if out is not None else swap(new_out)), append  # the caller's own out= object
@@ -282,15 +290,21 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     # _make of a tuple in field order: keywords would cost ~1.5 us on the per-token path.
     return Problem._make((q4, k_cache4, v_cache4, out.transpose(0, 2, 1, 3) if layout == "bshd" else out,
                           dtype_code, B, Hq, Hk, Nq, capacity, scale, softcap, left, right, None, None, 0, None,
-                          None, kv_seqlens, table, block_size, threads, num_splits, None)), out, append
+                          None, kv_seqlens, table, block_size, threads, num_splits, None, -1, None, None)), out, append
 
 
 def _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
-                     alibi_slopes, num_splits, num_threads, out, layout):
-    """kvcache_problem on (B, N, H, D)-ordered arrays; ``layout`` only words the messages."""
+                     alibi_slopes, num_splits, num_threads, out, layout, k_scale=None, v_scale=None):
+    """kvcache_problem on (B, N, H, D)-ordered arrays (scales (B, N, H)); ``layout`` only words
+    the messages."""
     q = _data("q", q); k_cache = _data("k_cache", k_cache); v_cache = _data("v_cache", v_cache)
     dtype_code = _dtype_code("q", q)
-    _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    codes = _CODES.get(k_cache.dtype)
+    if codes is None:
+        _same_dtype("q", q, k_cache=k_cache, v_cache=v_cache)
+    elif v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: dtype {v_cache.dtype} does not match k_cache's {k_cache.dtype}; a quantized "
+                        f"cache holds K and V as codes of one dtype (int8 or float8_e4m3fn)")
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if a.ndim != 4:
             raise ValueError(f"{name}: expected a 4-D array, got shape {a.shape}")
@@ -395,18 +409,37 @@ def _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         table = table.astype(np.int32, order="C", copy=True)
 
     # Every remaining check and conversion happens before the append writes the first byte.
+    k_scale = _cache_scale("k_scale", k_scale, "k_cache", k_cache, new_tokens > 0)
+    v_scale = _cache_scale("v_scale", v_scale, "v_cache", v_cache, new_tokens > 0)
+    if codes is not None and new_tokens:
+        _quantizable(k=(k, k_cache, k_scale), v=(v, v_cache, v_scale))
     options = _Options(D, causal, scale, window, softcap, Nq, capacity)
     alibi = _alibi(alibi_slopes, B, Hq)
     threads = _threads(num_threads)
     splits = min(_int("num_splits", num_splits, 0), _MAX_SPLITS)
     out = _out(out, (B, Nq, Hq, Dv), q.dtype,
-               {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi})
+               {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "alibi_slopes": alibi,
+                "k_scale": k_scale, "v_scale": v_scale})
     append = None
     if new_tokens:
-        append = Append(k_cache, v_cache, k, v, length if lengths is None else lengths)
+        append = Append(k_cache, v_cache, k, v, length if lengths is None else lengths, k_scale, v_scale)
+    quantized = {}
+    if codes is not None:
+        quantized = dict(kv_dtype_code=codes[0], k_scale=None if k_scale is None else k_scale.transpose(0, 2, 1),
+                         v_scale=None if v_scale is None else v_scale.transpose(0, 2, 1))
     return Problem(q.transpose(0, 2, 1, 3), k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3),
                    out.transpose(0, 2, 1, 3), dtype_code=dtype_code, batch=B, q_heads=Hq, kv_heads=Hk, q_length=Nq,
                    kv_length=capacity, scale=options.scale, softcap=options.softcap, window_left=options.left,
                    window_right=options.right, alibi_slopes=alibi, mask=None, mask_kind=0, cu_seqlens_q=None,
                    cu_seqlens_k=None, kv_seqlens=kv_seqlens, block_table=table, block_size=block_size,
-                   num_threads=threads, num_splits=splits), out, append
+                   num_threads=threads, num_splits=splits, **quantized), out, append
+
+
+def _quantizable(**appended):
+    """New keys/values for a quantized cache must be finite where they get scales (int8, or
+    float8 with scales): max|x| / 127 of a row holding inf or NaN is no scale. (Into a float8 cache
+    without scales they are converted directly: NaN stays NaN, +-inf saturates to +-448.)"""
+    for name, (x, cache, scales) in appended.items():
+        if (cache.dtype == np.int8 or scales is not None) and not np.isfinite(x).all():
+            raise ValueError(f"{name}: holds inf or NaN, which cannot be quantized into the {cache.dtype} cache "
+                             f"(per-token scale max|x| / {int(_CODES[cache.dtype][1])}); the cache was left unchanged")

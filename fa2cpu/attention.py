@@ -4,7 +4,7 @@ enum are in fa2cpu/_checks.py (_DTYPES)."""
 import numpy as np
 
 from . import _core
-from ._checks import _sinks
+from ._checks import _CODES, _sinks
 from ._validate import attention_problem, kvcache_problem, kvcache_problem_lean, varlen_problem
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
@@ -15,12 +15,12 @@ def _launch(problem, lse):
     q_heads, rows) view to fill, or None."""
     (q, k, v, out, dtype_code, batch, q_heads, kv_heads, q_length, kv_length, scale, softcap, window_left,
      window_right, alibi_slopes, mask, mask_kind, cu_seqlens_q, cu_seqlens_k, kv_seqlens, block_table, block_size,
-     num_threads, num_splits, sinks) = problem
+     num_threads, num_splits, sinks, kv_dtype_code, k_scale, v_scale) = problem
     _core.run(q, k, v, out, lse, dtype=dtype_code, batch=batch, hq=q_heads, hk=kv_heads, nq=q_length, nk=kv_length,
               scale=scale, softcap=softcap, win_left=window_left, win_right=window_right,
               alibi=alibi_slopes, mask=mask, mask_kind=mask_kind, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k,
               seqlen_k=kv_seqlens, block_table=block_table, block_size=block_size, num_threads=num_threads,
-              num_splits=num_splits, sinks=sinks)
+              num_splits=num_splits, sinks=sinks, kv_dtype=kv_dtype_code, k_scale=k_scale, v_scale=v_scale)
 
 
 def _with_sinks(problem, sinks):
@@ -125,7 +125,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                                  block_table=None, causal=False, scale=None, window=(-1, -1),
                                  softcap=None, alibi_slopes=None, return_lse=False,
-                                 num_splits=0, num_threads=None, out=None, layout="bshd", sinks=None):
+                                 num_splits=0, num_threads=None, out=None, layout="bshd", sinks=None,
+                                 k_scale=None, v_scale=None):
     """Attention of new queries against a KV cache (decode / chunked prefill), flash-attn layout.
 
     q ``(B, Nq, Hq, D)``. Contiguous cache: ``k_cache (B, Ncap, Hk, D)``, ``v_cache (B, Ncap, Hk, Dv)``.
@@ -145,22 +146,35 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     head-major order instead: q ``(B, Hq, Nq, D)``, ``k_cache (B, Hk, Ncap, D)`` (paged:
     ``(num_blocks, Hk, block_size, D)``), ``k (B, Hk, Nnew, D)``, out ``(B, Hq, Nq, Dv)``; read and
     written in place all the same (only strides differ). lse is ``(B, Hq, Nq)`` in both layouts.
+
+    **Quantized cache**: ``k_cache`` / ``v_cache`` may hold ``int8`` or ``ml_dtypes.float8_e4m3fn``
+    codes (q, k, v stay float32/float16/bfloat16). ``k_scale``, ``v_scale``: float32, the cache's
+    shape without the last axis (``(B, Ncap, Hk)``; paged ``(num_blocks, block_size, Hk)``; with
+    ``layout="bhsd"`` ``(B, Hk, Ncap)``), one scale per stored token and head: the cached value is
+    ``code * scale``. int8 requires scales; float8 accepts None (scale 1). Appended k/v are
+    quantized in place per token and head with ``scale = max|x| / 127`` (int8, codes
+    ``rint(x / scale)``) or ``max|x| / 448`` (float8, codes ``x / scale`` rounded to nearest even),
+    in float32, the scale written to the scale arrays (a row of zeros gets scale 0 and codes 0);
+    into a float8 cache without scales they are converted directly (round to nearest, saturating at
+    +-448). Codes are dequantized in registers inside the kernels; no float copy of the cache is made.
     """
     out, lse = _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
-                             softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks)
+                             softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks,
+                             k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 
 def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
-                  alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks=None):
+                  alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks=None, k_scale=None,
+                  v_scale=None):
     """flash_attention_with_kvcache -> (out, lse or None); also fa2cpu.torch's, on tensor views."""
     # The lean checks first (a decode step's common case, a few microseconds), else every check.
-    found = None if alibi_slopes is not None else kvcache_problem_lean(
+    found = None if alibi_slopes is not None or k_scale is not None or v_scale is not None else kvcache_problem_lean(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap, num_splits,
         num_threads, out, layout)
     problem, out, append = found or kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap, alibi_slopes,
-        num_splits, num_threads, out, layout)
+        num_splits, num_threads, out, layout, k_scale, v_scale)
     problem = _with_sinks(problem, sinks)
     if append is not None:  # every check passed: write the new keys/values in place
         _append(append, problem.block_table, problem.block_size)
@@ -169,16 +183,37 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     return out, lse
 
 
+def _quantize(x, cache, with_scales):
+    """New keys or values ``(B, n, Hk, D)`` as codes of a quantized cache's dtype and their float32
+    scales ``(B, n, Hk)`` (None without scales): API.md's rule, computed in float32."""
+    x = np.asarray(x, np.float32)
+    limit = np.float32(_CODES[cache.dtype][1])
+    if not with_scales:  # float8 without scales: direct conversion, saturating (NaN stays NaN)
+        return np.clip(x, -limit, limit).astype(cache.dtype), None
+    scale = np.abs(x).max(axis=-1) / limit
+    y = x / np.where(scale > 0, scale, np.float32(1))[..., None]
+    if cache.dtype == np.int8:
+        y = np.rint(y)
+    return np.clip(y, -limit, limit).astype(cache.dtype), scale
+
+
 def _append(append, block_table, block_size):
     """Writes ``append.k``, ``append.v`` ``(B, n, Hk, D)`` into its caches at positions
     ``start[b] .. + n - 1``: contiguous caches ``(B, Ncap, Hk, D)`` when block_table is None, else
-    paged ``(num_blocks, block_size, Hk, D)`` through block_table ``(B, max_blocks)``. Slice
+    paged ``(num_blocks, block_size, Hk, D)`` through block_table ``(B, max_blocks)``; into a
+    quantized cache as codes, with their scales into the scale arrays (same positions). Slice
     assignments for one start or small batches (decode), one fancy-indexed assignment otherwise."""
-    k_cache, v_cache, k, v, start = append
+    k_cache, v_cache, k, v, start, k_scale, v_scale = append
     B, n = k.shape[:2]
+    pairs = [(k_cache, k), (v_cache, v)]
+    if k_cache.dtype in _CODES:
+        k, k_codes_scale = _quantize(k, k_cache, k_scale is not None)
+        v, v_codes_scale = _quantize(v, v_cache, v_scale is not None)
+        pairs = [(k_cache, k), (v_cache, v)] + [(dst, src) for dst, src in ((k_scale, k_codes_scale),
+                                                                           (v_scale, v_codes_scale)) if dst is not None]
     if block_table is None and type(start) is int:
-        k_cache[:, start:start + n] = k
-        v_cache[:, start:start + n] = v
+        for dst, src in pairs:
+            dst[:, start:start + n] = src
         return
     if B * n <= 8:
         for b in range(B):
@@ -189,13 +224,13 @@ def _append(append, block_table, block_size):
                     block, row = b, position
                 else:
                     block, row = block_table[b, position // block_size], position % block_size
-                k_cache[block, row] = k[b, t]
-                v_cache[block, row] = v[b, t]
+                for dst, src in pairs:
+                    dst[block, row] = src[b, t]
         return
     positions = np.broadcast_to(np.asarray(start, np.int64).reshape(-1, 1) + np.arange(n)[None, :], (B, n))
     if block_table is None:
         blocks, rows = np.broadcast_to(np.arange(B)[:, None], positions.shape), positions
     else:
         blocks, rows = block_table[np.arange(B)[:, None], positions // block_size], positions % block_size
-    k_cache[blocks, rows] = k
-    v_cache[blocks, rows] = v
+    for dst, src in pairs:
+        dst[blocks, rows] = src

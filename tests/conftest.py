@@ -85,6 +85,11 @@ _BLAS_ONE_THREAD = threadpoolctl.threadpool_limits(1, user_api="blas")
 #             measured 9.8e-4), plus P possibly rounded before the PV product: 4e-3.
 #   bfloat16: output rounded to bf16 (half-ulp 2^-9 ~ 2e-3 relative; measured 8e-3 at |out| ~ 2)
 #             and P / pre-scaled Q may be rounded to bf16 for vdpbf16ps / AMX (~2^-9 each): 2e-2.
+# Quantized KV caches (int8 / float8_e4m3fn codes x float32 scales) use the row of q's dtype,
+# against the float64 reference on the dequantized cache (code * scale): the decode route
+# dequantizes in registers in float32 (exact: a code times a float32 scale, rounded once), the
+# tile routes dequantize a tile into q's operand type, for bf16 q bf16 (one more rounding of
+# 2^-9 relative per element, the bound a bf16 cache already has).
 # The LSE is float32 in every dtype but inherits the score error of a kernel that rounds
 # pre-scaled Q to bf16, hence the same table. Because these bounds would hide one dropped key
 # among a thousand, test_forward also has precision-free probes (TOL_ZERO_Q_LSE, visibility map).

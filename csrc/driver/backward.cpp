@@ -133,7 +133,7 @@ void check_backward(const BackwardParams& bp) {
     check_params(p, "backward");
     auto fail = [](const std::string& what) { throw std::invalid_argument("fa2cpu::backward: " + what); };
     if (p.mask || p.mask_kind) fail("the backward takes no mask");
-    if (p.block_table || p.seqlen_k) fail("the backward takes no KV cache (block_table, seqlen_k)");
+    if (p.block_table || p.seqlen_k || p.kv_dtype >= 0) fail("the backward takes no KV cache (block_table, seqlen_k, kv_dtype)");
     if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr)) fail("cu_seqlens_q and cu_seqlens_k go together");
     if (p.batch > 0 && p.hq > 0 && (!p.lse || !bp.dout || !bp.dq || !bp.dk || !bp.dv))
         fail("lse, dout, dq, dk and dv must be set");

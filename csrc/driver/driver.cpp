@@ -43,7 +43,13 @@ float* thread_scratch(int64_t floats) { return tls_scratch.get(floats); }
 
 void check_params(const Params& p, const char* entry) {
     auto fail = [entry](const std::string& what) { throw std::invalid_argument(std::string("fa2cpu::") + entry + ": " + what); };
-    if (p.dtype < 0 || p.dtype >= int(DType::count)) fail("dtype code out of range");
+    if (p.dtype < 0 || p.dtype >= int(DType::count) || is_code_dtype(DType(p.dtype)))
+        fail("dtype must be a float type code (float32, float16 or bfloat16)");
+    if (p.kv_dtype < -1 || p.kv_dtype >= int(DType::count)) fail("kv_dtype code out of range");
+    if (p.kv_dtype >= 0 && p.kv_dtype != p.dtype && !is_code_dtype(DType(p.kv_dtype)))
+        fail("kv_dtype must be -1, dtype, or a quantized cache's code type (int8, float8_e4m3fn)");
+    if ((p.k_scale || p.v_scale) && !is_code_dtype(kv_dtype(p))) fail("k_scale / v_scale need a quantized cache");
+    if (kv_dtype(p) == DType::i8 && (!p.k_scale || !p.v_scale)) fail("an int8 cache needs k_scale and v_scale");
     if (p.batch < 0 || p.hq < 0 || p.nq < 0 || p.nk < 0) fail("batch, hq, nq and nk must be >= 0");
     if (p.hk < 1) fail("hk must be >= 1");
     if (p.hq % p.hk) fail("hq must be a multiple of hk");

@@ -38,7 +38,7 @@ enum class MaskKind : int { none = 0, boolean = 1, additive = 2 };  // boolean: 
 //       + h*k_head_stride
 // The Python layer has validated every index these formulas can produce.
 struct Params {
-    int dtype = 0;  // DType
+    int dtype = 0;  // DType of q and out (and of k, v unless kv_dtype says otherwise): f32, f16 or bf16
     int64_t batch = 0, hq = 0, hk = 0, d = 0, dv = 0;
     int64_t nq = 0, nk = 0;
     const int64_t* cu_seqlens_q = nullptr;
@@ -46,6 +46,15 @@ struct Params {
     const int64_t* seqlen_k = nullptr;
     const int32_t* block_table = nullptr;
     int64_t block_table_batch_stride = 0, block_size = 0;
+
+    // K/V element type: -1 = dtype; DType::i8 or DType::f8e4m3 for a quantized KV cache, whose
+    // cached value at key position p, kv head h is code * scale with (same formula as k's, with
+    // these strides; a null scale array means scale 1)
+    //   scale = k_scale[<k's row offset with k_scale_batch_stride, k_scale_row_stride>
+    //                   + h*k_scale_head_stride]                         (v likewise)
+    int kv_dtype = -1;
+    const float* k_scale = nullptr; int64_t k_scale_batch_stride = 0, k_scale_head_stride = 0, k_scale_row_stride = 0;
+    const float* v_scale = nullptr; int64_t v_scale_batch_stride = 0, v_scale_head_stride = 0, v_scale_row_stride = 0;
 
     const void* q = nullptr; int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0, q_dim_stride = 0;
     const void* k = nullptr; int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0, k_dim_stride = 0;

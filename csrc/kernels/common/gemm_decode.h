@@ -25,19 +25,51 @@
 namespace fa2cpu {
 namespace {
 
+// Element readers: load(p, m) = 16 values (lanes outside m zero) as float32 x 1/kUnit; kCodes:
+// codes of a quantized cache (Params::kv_dtype), whose per-key scales (KvTile::scale) the QK
+// micro-kernel applies to each score and the PV micro-kernel to each probability, times kUnit,
+// both after the key's products: dequantization costs one multiply per key and row.
 struct F32Elem {
     using T = float;
+    static constexpr bool kCodes = false;
+    static constexpr float kUnit = 1.f;
     static __m512 load(const T* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 };
 struct Bf16Elem {
     using T = uint16_t;
+    static constexpr bool kCodes = false;
+    static constexpr float kUnit = 1.f;
     static __m512 load(const T* p, __mmask16 m) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
     }
 };
 struct F16Elem {
     using T = uint16_t;
+    static constexpr bool kCodes = false;
+    static constexpr float kUnit = 1.f;
     static __m512 load(const T* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+};
+struct I8Elem {
+    using T = int8_t;
+    static constexpr bool kCodes = true;
+    static constexpr float kUnit = 1.f;
+    static __m512 load(const T* p, __mmask16 m) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))); }
+};
+// float8_e4m3fn: the code's exponent and mantissa bits moved up into a float16's (sign to bit
+// 15, the rest from bit 7) give the same number with a float16 bias (15 for 7): 2^-8 times the
+// value, normal and subnormal alike, converted by vcvtph2ps; kUnit = 256 restores it. The NaN
+// codes (S.1111.111, which would read as 480 / 256) become NaN.
+struct F8Elem {
+    using T = uint8_t;
+    static constexpr bool kCodes = true;
+    static constexpr float kUnit = 256.f;
+    static __m512 load(const T* p, __mmask16 m) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+        const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_xor_si256(x, mag), 8), _mm256_slli_epi16(mag, 7));
+        const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+        return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(NAN));
+    }
 };
 
 inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n < 0 ? 0 : n)) - 1); }
@@ -53,11 +85,20 @@ struct DecodeGemm {
     static constexpr ScaleAt kScaleAt = ScaleAt::packed_q;
     static constexpr PStore kPStore = PStore::f32_in_scores;
     static constexpr bool kTilesEndAtBlocks = true;  // paged K/V read in place
+    static constexpr bool kReadsCodes = E::kCodes;   // quantized K/V read in place too (tile_loop.h)
     static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
     static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
     // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used.
     static constexpr int64_t kPrefetchKeys = 32;
+
+    // Per-key factors of a quantized cache for the RG rows of a group: row j's scales at
+    // row[j][c*ld] (nullptr: 1), times E::kUnit.
+    struct Scales {
+        const float* const* row;
+        int64_t ld;
+        float factor(int j, int64_t c) const { return (row[j] ? row[j][c * ld] : 1.f) * E::kUnit; }
+    };
 
     static int64_t dp(int64_t n) { return round_up(n, 16); }
     static int64_t q_floats(int64_t D, int64_t M) { return M * dp(D); }
@@ -135,16 +176,21 @@ struct DecodeGemm {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
-                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * kt.head_stride;
+                const float* sc[RG];
+                for (int j = 0; j < RG; ++j) {
+                    off[j] = kv_head[r + j] * kt.head_stride;
+                    sc[j] = kt.scale ? kt.scale + kv_head[r + j] * kt.scale_head_stride : nullptr;
+                }
+                const Scales ks{sc, kt.scale_ld};
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
-                else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
+                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, first_of_head);
+                else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, true);
             }
         }
     }
     template <bool kOneHead>
     static void qk_group(const float* qr, int64_t Dp, int64_t D, const T* k, int64_t ldk, const int64_t* off,
-                         int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
+                         const Scales& ks, int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const T* kr[KB];
@@ -177,13 +223,17 @@ struct DecodeGemm {
                 }
             }
             for (int i = 0; i < nkb; ++i)
-                for (int j = 0; j < RG; ++j) s[(c + i) * RB + j] = _mm512_reduce_add_ps(acc[i][j]);
+                for (int j = 0; j < RG; ++j) {
+                    float x = _mm512_reduce_add_ps(acc[i][j]);
+                    if constexpr (E::kCodes) x *= ks.factor(j, c + i);
+                    s[(c + i) * RB + j] = x;
+                }
         }
     }
 
     template <int NV, bool kOneHead>
     static void pv_block(const float* s, int64_t cb, int64_t ce, const T* v, int64_t ldv, const int64_t* off,
-                         int64_t Dv, int64_t j, float* orow, int64_t n, int64_t pf, bool prefetch) {
+                         const Scales& vs, int64_t Dv, int64_t j, float* orow, int64_t n, int64_t pf, bool prefetch) {
         __m512 acc[RG][NV];
         __mmask16 m[NV];
 #pragma GCC unroll 4
@@ -201,16 +251,17 @@ struct DecodeGemm {
                     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[0] + 16 * t), _MM_HINT_T0);
                     vv[t] = E::load(vr + off[0] + 16 * t, m[t]);
                 }
+                const float f = E::kCodes ? vs.factor(0, c) : 1.f;  // one head: one scale per key
 #pragma GCC unroll 4
                 for (int i = 0; i < RG; ++i) {
-                    const __m512 pr = _mm512_set1_ps(s[c * RB + i]);
+                    const __m512 pr = _mm512_set1_ps(E::kCodes ? s[c * RB + i] * f : s[c * RB + i]);
 #pragma GCC unroll 4
                     for (int t = 0; t < NV; ++t) acc[i][t] = _mm512_fmadd_ps(pr, vv[t], acc[i][t]);
                 }
             } else {
 #pragma GCC unroll 4
                 for (int i = 0; i < RG; ++i) {
-                    const __m512 pr = _mm512_set1_ps(s[c * RB + i]);
+                    const __m512 pr = _mm512_set1_ps(E::kCodes ? s[c * RB + i] * vs.factor(i, c) : s[c * RB + i]);
 #pragma GCC unroll 4
                     for (int t = 0; t < NV; ++t) {
                         if (i == 0 || off[i] != off[i - 1])
@@ -227,13 +278,13 @@ struct DecodeGemm {
     }
     template <bool kOneHead>
     static void pv_group(const float* s, int64_t cb, int64_t ce, const T* v, int64_t ldv, const int64_t* off,
-                         int64_t Dv, float* orow, int64_t n, int64_t pf, bool prefetch) {
+                         const Scales& vs, int64_t Dv, float* orow, int64_t n, int64_t pf, bool prefetch) {
         for (int64_t j = 0; j < n; j += 64) {
             switch ((n - j) / 16) {
-                case 1: pv_block<1, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
-                case 2: pv_block<2, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
-                case 3: pv_block<3, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
-                default: pv_block<4, kOneHead>(s, cb, ce, v, ldv, off, Dv, j, orow, n, pf, prefetch); break;
+                case 1: pv_block<1, kOneHead>(s, cb, ce, v, ldv, off, vs, Dv, j, orow, n, pf, prefetch); break;
+                case 2: pv_block<2, kOneHead>(s, cb, ce, v, ldv, off, vs, Dv, j, orow, n, pf, prefetch); break;
+                case 3: pv_block<3, kOneHead>(s, cb, ce, v, ldv, off, vs, Dv, j, orow, n, pf, prefetch); break;
+                default: pv_block<4, kOneHead>(s, cb, ce, v, ldv, off, vs, Dv, j, orow, n, pf, prefetch); break;
             }
         }
     }
@@ -247,11 +298,16 @@ struct DecodeGemm {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
-                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * vt.head_stride;
+                const float* sc[RG];
+                for (int j = 0; j < RG; ++j) {
+                    off[j] = kv_head[r + j] * vt.head_stride;
+                    sc[j] = vt.scale ? vt.scale + kv_head[r + j] * vt.scale_head_stride : nullptr;
+                }
+                const Scales vs{sc, vt.scale_ld};
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
                 float* orow = x.o + (block.r0 + r) * n;
-                if (off[0] == off[RG - 1]) pv_group<true>(s + r, cb, ce, v, ldv, off, Dv, orow, n, vt.prefetch, first_of_head);
-                else pv_group<false>(s + r, cb, ce, v, ldv, off, Dv, orow, n, vt.prefetch, true);
+                if (off[0] == off[RG - 1]) pv_group<true>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, first_of_head);
+                else pv_group<false>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, true);
             }
         }
     }
@@ -259,7 +315,8 @@ struct DecodeGemm {
 
 // The decode route of the AVX-512 families (routes.h).
 using Avx512DecodeRoute = DecodeRoute<TileLoop<V512, DecodeGemm<F32Elem>>, TileLoop<V512, DecodeGemm<F16Elem>>,
-                                      TileLoop<V512, DecodeGemm<Bf16Elem>>>;
+                                      TileLoop<V512, DecodeGemm<Bf16Elem>>, TileLoop<V512, DecodeGemm<I8Elem>>,
+                                      TileLoop<V512, DecodeGemm<F8Elem>>>;
 
 }  // namespace
 }  // namespace fa2cpu

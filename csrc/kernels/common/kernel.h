@@ -37,9 +37,14 @@ struct Partials {
 // A K or V tile as a GEMM policy's micro-kernels read it: key c of kv head (first + h) at
 // data + c*ld + h*head_stride (elements); prefetch: distance (elements) to the same row of the
 // next tile's keys, 0 for none.
+// Quantized caches (Params::kv_dtype): scale of key c of kv head (first + h) at
+// scale[c*scale_ld + h*scale_head_stride]; scale == nullptr: every scale is 1. Set by the tile loop
+// for policies that read codes (gemm_decode.h); others get dequantized float tiles.
 struct KvTile {
     const void* data;
     int64_t ld, head_stride, prefetch;
+    const float* scale = nullptr;
+    int64_t scale_ld = 0, scale_head_stride = 0;
 };
 
 // K/V tiles packed once per (sequence, kv head) and shared by every item of that head (the driver
@@ -151,6 +156,10 @@ inline int64_t k_row_offset(const Params& p, int64_t b, int64_t pos, int64_t bat
     return p.cu_seqlens_k ? (p.cu_seqlens_k[b] + pos) * row_stride : b * batch_stride + pos * row_stride;
 }
 
+// Element type of K/V: the quantized cache's codes, else q's dtype.
+inline DType kv_dtype(const Params& p) { return p.kv_dtype < 0 ? DType(p.dtype) : DType(p.kv_dtype); }
+inline bool is_code_dtype(DType dt) { return dt == DType::i8 || dt == DType::f8e4m3; }
+
 // Saturating int64 add/sub: window bounds may be as large as an int64 allows.
 inline int64_t sat_add(int64_t a, int64_t b) {
     int64_t r;
@@ -239,6 +248,27 @@ inline uint16_t f32_to_f16(float f) {
     uint32_t r = a - 0x38000000u;                                // rebias 127 -> 15
     r += 0xfffu + ((r >> 13) & 1u);
     return uint16_t(sign | (r >> 13));
+}
+
+// float8_e4m3fn (ml_dtypes / OCP FP8 E4M3, no infinities): sign, 4 exponent bits (bias 7), 3
+// mantissa bits; S.1111.111 is NaN; exponent 0 is subnormal (m * 2^-9). Exact in float32.
+inline float f8e4m3_to_f32(uint8_t x) {
+    const int e = (x >> 3) & 0xf, m = x & 7;
+    const float mag = (e == 15 && m == 7) ? NAN : e == 0 ? std::ldexp(float(m), -9) : std::ldexp(float(8 + m), e - 10);
+    return (x & 0x80) ? -mag : mag;
+}
+// The 256 float8_e4m3fn values, by code.
+inline const float* f8e4m3_values() {
+    static const struct Table {
+        float v[256];
+        Table() { for (int i = 0; i < 256; ++i) v[i] = f8e4m3_to_f32(uint8_t(i)); }
+    } table;
+    return table.v;
+}
+// Value of one code of a quantized cache (before its scale).
+inline float code_to_f32(const void* base, int64_t idx, DType dt) {
+    if (dt == DType::i8) return float(static_cast<const int8_t*>(base)[idx]);
+    return f8e4m3_to_f32(static_cast<const uint8_t*>(base)[idx]);
 }
 
 // Reads n elements (stride in elements) of dtype dt as float32.

@@ -35,9 +35,11 @@ inline int64_t no_shared_tiles(const Params&, int) { return 0; }
 template <class Loop, class Select = AnyInput>
 struct TileRoute {
     using G = typename Loop::G;
+    // A quantized cache's tiles reach G dequantized (tile_loop.h): whether G packs them then.
     static int64_t shared_tile_floats(const Params& p, int which) {
-        if (which == 0) return G::packs_k(p) ? G::k_floats(p.d) : 0;
-        return G::packs_v(p) ? G::v_floats(p.dv) : 0;
+        const bool staged = is_code_dtype(kv_dtype(p)) && !ReadsCodes<G>::value;
+        if (which == 0) return G::packs_k(staged ? Loop::template staged_params<0>(p, nullptr) : p) ? G::k_floats(p.d) : 0;
+        return G::packs_v(staged ? Loop::template staged_params<1>(p, nullptr) : p) ? G::v_floats(p.dv) : 0;
     }
     static constexpr Route route(const char* name) {
         return Route{name, &Select::serves, &one_kv_head, G::kMaxRows, Loop::BC,
@@ -45,12 +47,15 @@ struct TileRoute {
     }
 };
 
-// The decode route over one tile loop per input dtype (float32, float16, bfloat16 K/V read in
-// place: gemm_decode.h's DecodeGemm<F32Elem>, <F16Elem>, <Bf16Elem>), chosen per call by p.dtype.
-template <class LoopF32, class LoopF16, class LoopBf16>
+// The decode route over one tile loop per K/V element type (float32, float16, bfloat16, and the
+// int8 / float8_e4m3fn codes of a quantized cache, all read in place: gemm_decode.h's
+// DecodeGemm<F32Elem>, ..., <F8Elem>), chosen per call by kv_dtype(p).
+template <class LoopF32, class LoopF16, class LoopBf16, class LoopI8, class LoopF8>
 struct DecodeRoute {
     using G = typename LoopF32::G;
-    static_assert(LoopF16::BC == LoopF32::BC && LoopBf16::BC == LoopF32::BC, "one tile size for every dtype");
+    static_assert(LoopF16::BC == LoopF32::BC && LoopBf16::BC == LoopF32::BC && LoopI8::BC == LoopF32::BC &&
+                      LoopF8::BC == LoopF32::BC,
+                  "one tile size for every dtype");
     static bool serves(const Params&, int64_t rows_per_kv_head) { return rows_per_kv_head <= G::kRowsPerHead; }
     // Items span kv heads when the cache interleaves heads within a position and K/V are read in
     // place (unit feature stride: a packed tile holds one head).
@@ -63,16 +68,20 @@ struct DecodeRoute {
         return n < 1 ? 1 : n > p.hk ? p.hk : n;
     }
     static int64_t scratch_floats(const Params& p, int64_t rows) {
-        switch (DType(p.dtype)) {
+        switch (kv_dtype(p)) {
             case DType::bf16: return LoopBf16::scratch_floats(p, rows);
             case DType::f16: return LoopF16::scratch_floats(p, rows);
+            case DType::i8: return LoopI8::scratch_floats(p, rows);
+            case DType::f8e4m3: return LoopF8::scratch_floats(p, rows);
             default: return LoopF32::scratch_floats(p, rows);
         }
     }
     static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
-        switch (DType(p.dtype)) {
+        switch (kv_dtype(p)) {
             case DType::bf16: return LoopBf16::run_item(p, it, ctx);
             case DType::f16: return LoopF16::run_item(p, it, ctx);
+            case DType::i8: return LoopI8::run_item(p, it, ctx);
+            case DType::f8e4m3: return LoopF8::run_item(p, it, ctx);
             default: return LoopF32::run_item(p, it, ctx);
         }
     }

@@ -9,6 +9,9 @@
 //   o      unnormalised output accumulator, float32, in G's layout
 //   m, l   [M] running max (log2 domain) and running sum per row
 //   kp, vp one packed K / V tile in G's layout (unused when G reads K/V in place)
+//   ks, vs quantized caches read by a policy without G::kReadsCodes: one K / V tile dequantized
+//          (codes x scales) into float32, or bf16 when q is bf16 (the bf16 policies' operand),
+//          [BC][D] row-major; G then reads or packs it like an ordinary contiguous tile
 //   s      [BC][RB] float32 scores, then probabilities, of one row block (RB = G::RB rows)
 //
 // with M = R rounded up to G::kRowAlign (a multiple of W). The score scale is scale*log2e, or
@@ -25,6 +28,13 @@
 namespace fa2cpu {
 namespace {
 
+// Whether policy G reads quantized K/V codes itself (G::kReadsCodes, gemm_decode.h) instead of
+// tiles dequantized by the loop.
+template <class G, class = void>
+struct ReadsCodes { static constexpr bool value = false; };
+template <class G>
+struct ReadsCodes<G, decltype(void(G::kReadsCodes))> { static constexpr bool value = G::kReadsCodes; };
+
 template <class V, class Gm>
 struct TileLoop {
     using G = Gm;
@@ -37,7 +47,7 @@ struct TileLoop {
 
     struct Layout {
         int64_t M;
-        int64_t q, o, kp, vp, p_pairs, s, m, l;
+        int64_t q, o, kp, vp, ks, vs, p_pairs, s, m, l;
         int64_t first_key, last_key, diagonal, slope, mask_row_offset, mask_values, row_kv_head, total;
     };
     static Layout layout(const Params& p, int64_t rows) {
@@ -49,6 +59,9 @@ struct TileLoop {
         L.o = take(G::o_floats(p.dv, L.M));
         L.kp = take(G::k_floats(p.d));
         L.vp = take(G::v_floats(p.dv));
+        const bool stage = is_code_dtype(kv_dtype(p)) && !ReadsCodes<G>::value;
+        L.ks = take(stage ? BC * p.d : 0);
+        L.vs = take(stage ? BC * p.dv : 0);
         L.p_pairs = take(G::p_floats());
         L.s = take(BC * RB);
         L.m = take(L.M);
@@ -137,8 +150,8 @@ struct TileLoop {
         for (int64_t c0 = lo_min, nc = 0; c0 <= hi_max; c0 += nc) {
             nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
             if (block_tiles && p.block_size - c0 % p.block_size < nc) nc = p.block_size - c0 % p.block_size;
-            const KvTile kt = tile<0>(p, it, c0, nc, nk, k_head, kp, ctx.shared);
-            const KvTile vt = tile<1>(p, it, c0, nc, nk, v_head, vp, ctx.shared);
+            const KvTile kt = tile<0>(p, it, c0, nc, nk, k_head, kp, scratch + L.ks, ctx.shared);
+            const KvTile vt = tile<1>(p, it, c0, nc, nk, v_head, vp, scratch + L.vs, ctx.shared);
             for (int64_t r0 = 0; r0 < M; r0 += RB) {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                 const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
@@ -176,11 +189,22 @@ struct TileLoop {
     // call shares this operand and the tile is a whole natural one (keys [t*BC, min((t+1)*BC, nk)):
     // a shorter tile padded from a longer slot would multiply real V values, maybe inf, by the
     // zero P of padding keys), else packed into the item's own buffer (or read in place).
+    // A quantized cache's tile is first dequantized into `stage` (policies without kReadsCodes) or
+    // gets its scales attached (policies with it).
     template <int kWhich>
     static KvTile tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, int64_t nk, int64_t head,
-                       float* own, SharedTiles* shared) {
+                       float* own, float* stage, SharedTiles* shared) {
         auto pack = [&](float* buf) {
-            return kWhich == 0 ? G::k_tile(p, it.b, c0, nc, head, buf) : G::v_tile(p, it.b, c0, nc, head, buf);
+            if (!is_code_dtype(kv_dtype(p)))
+                return kWhich == 0 ? G::k_tile(p, it.b, c0, nc, head, buf) : G::v_tile(p, it.b, c0, nc, head, buf);
+            if constexpr (ReadsCodes<G>::value) {
+                KvTile t = kWhich == 0 ? G::k_tile(p, it.b, c0, nc, head, buf) : G::v_tile(p, it.b, c0, nc, head, buf);
+                attach_scales<kWhich>(p, it, c0, &t);
+                return t;
+            } else {
+                const Params sp = dequantize_tile<kWhich>(p, it, c0, nc, stage);
+                return kWhich == 0 ? G::k_tile(sp, 0, 0, nc, 0, buf) : G::v_tile(sp, 0, 0, nc, 0, buf);
+            }
         };
         if (!shared || shared->floats[kWhich] == 0 || it.kv_heads != 1 || c0 % BC != 0 || nc != (nk - c0 < BC ? nk - c0 : BC))
             return pack(own);
@@ -199,6 +223,80 @@ struct TileLoop {
             cpu_relax();
         }
         return pack(own);
+    }
+
+    // The scale array of K (kWhich = 0) or V of a quantized cache: pointer to key c0's scale of
+    // the item's first kv head, and its strides (a tile never crosses a cache block here: policies
+    // reading codes have kTilesEndAtBlocks).
+    template <int kWhich>
+    static void attach_scales(const Params& p, const WorkItem& it, int64_t c0, KvTile* t) {
+        const float* sc = kWhich == 0 ? p.k_scale : p.v_scale;
+        if (!sc) return;
+        const int64_t bs = kWhich == 0 ? p.k_scale_batch_stride : p.v_scale_batch_stride;
+        const int64_t rs = kWhich == 0 ? p.k_scale_row_stride : p.v_scale_row_stride;
+        const int64_t hs = kWhich == 0 ? p.k_scale_head_stride : p.v_scale_head_stride;
+        t->scale = sc + k_row_offset(p, it.b, c0, bs, rs) + it.kv_head * hs;
+        t->scale_ld = rs;
+        t->scale_head_stride = hs;
+    }
+
+    // Keys [c0, c0 + nc) of the item's kv head of a quantized cache, dequantized into `stage`
+    // (float32, or bf16 when q is bf16), and a Params describing `stage` as K (kWhich = 0) or V of
+    // one contiguous sequence with one kv head: the policy's k_tile / v_tile then reads it (b = 0,
+    // c0 = 0, head offset 0) as it reads any float cache. One BC-key tile at a time: the cache
+    // itself is never copied.
+    template <int kWhich>
+    static Params dequantize_tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, float* stage) {
+        const DType ct = kv_dtype(p), st = DType(p.dtype) == DType::bf16 ? DType::bf16 : DType::f32;
+        const void* codes = kWhich == 0 ? p.k : p.v;
+        const float* sc = kWhich == 0 ? p.k_scale : p.v_scale;
+        const int64_t n = kWhich == 0 ? p.d : p.dv;
+        const int64_t bs = kWhich == 0 ? p.k_batch_stride : p.v_batch_stride;
+        const int64_t rs = kWhich == 0 ? p.k_row_stride : p.v_row_stride;
+        const int64_t ds = kWhich == 0 ? p.k_dim_stride : p.v_dim_stride;
+        const int64_t hs = kWhich == 0 ? p.k_head_stride : p.v_head_stride;
+        const int64_t sbs = kWhich == 0 ? p.k_scale_batch_stride : p.v_scale_batch_stride;
+        const int64_t srs = kWhich == 0 ? p.k_scale_row_stride : p.v_scale_row_stride;
+        const int64_t shs = kWhich == 0 ? p.k_scale_head_stride : p.v_scale_head_stride;
+        for (int64_t c = 0; c < nc; ++c) {
+            const int64_t at = k_row_offset(p, it.b, c0 + c, bs, rs) + it.kv_head * hs;
+            const float scale = sc ? sc[k_row_offset(p, it.b, c0 + c, sbs, srs) + it.kv_head * shs] : 1.f;
+            if (st == DType::bf16) dequantize_row(reinterpret_cast<uint16_t*>(stage) + c * n, codes, at, n, ds, ct, scale);
+            else dequantize_row(stage + c * n, codes, at, n, ds, ct, scale);
+        }
+        return staged_params<kWhich>(p, stage);
+    }
+    // The Params that describe a dequantized tile in `stage` (dequantize_tile); the routes also ask
+    // it whether the policy packs such a tile (shared) or reads it in place (private to the item).
+    template <int kWhich>
+    static Params staged_params(const Params& p, const void* stage) {
+        const DType st = DType(p.dtype) == DType::bf16 ? DType::bf16 : DType::f32;
+        const int64_t n = kWhich == 0 ? p.d : p.dv;
+        Params sp = p;
+        sp.dtype = int(st);
+        sp.kv_dtype = -1;
+        sp.block_table = nullptr;
+        sp.cu_seqlens_k = nullptr;
+        if (kWhich == 0) {
+            sp.k = stage; sp.k_batch_stride = 0; sp.k_row_stride = n; sp.k_head_stride = 0; sp.k_dim_stride = 1;
+        } else {
+            sp.v = stage; sp.v_batch_stride = 0; sp.v_row_stride = n; sp.v_head_stride = 0; sp.v_dim_stride = 1;
+        }
+        return sp;
+    }
+
+    static void put(float* o, float x) { *o = x; }
+    static void put(uint16_t* o, float x) { *o = f32_to_bf16(x); }
+    template <class Out>
+    static void dequantize_row(Out* out, const void* codes, int64_t at, int64_t n, int64_t ds, DType ct, float scale) {
+        if (ct == DType::i8) {
+            const int8_t* c = static_cast<const int8_t*>(codes) + at;
+            for (int64_t j = 0; j < n; ++j) put(out + j, float(c[j * ds]) * scale);
+        } else {
+            const uint8_t* c = static_cast<const uint8_t*>(codes) + at;
+            const float* value = f8e4m3_values();
+            for (int64_t j = 0; j < n; ++j) put(out + j, value[c[j * ds]] * scale);
+        }
     }
 
     // Scores -> log2-domain logits with every bias and mask applied (only what is enabled), the

@@ -1,0 +1,290 @@
+"""Quantized KV caches (API.md, "Quantized cache"): int8 and float8_e4m3fn codes with per-(token,
+head) float32 scales, contiguous and paged, read by every family's decode and tile loops and
+compared with the float64 reference on the dequantized cache (code * scale); the quantizing
+append's exact rounding rule; errors that leave caches and scales byte-identical."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fa2cpu
+from conftest import DTYPES, arg, check_close, rand, ref
+from test_kvcache import assert_bytes_equal
+
+F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+CODES = {"int8": (np.dtype(np.int8), 127.0), "fp8": (F8, 448.0)}
+
+
+def quantize(x, code, with_scales=True):
+    """API.md's rule, written out independently of the library: per (token, head) row, in float32,
+    scale = max|x| / limit, code = round(x / scale) (int8: half to even; float8: to nearest even,
+    saturating), a row of zeros gets scale 0 and codes 0."""
+    dt, limit = CODES[code]
+    x = np.asarray(x, np.float32)
+    if not with_scales:
+        return np.clip(x, -limit, limit).astype(dt), None
+    scale = (np.abs(x).max(axis=-1) / np.float32(limit)).astype(np.float32)
+    codes = np.zeros(x.shape, dt)
+    nz = scale > 0
+    y = x[nz] / scale[nz][:, None]
+    codes[nz] = np.clip(np.rint(y) if dt == np.int8 else y, -limit, limit).astype(dt)
+    return codes, scale
+
+
+def dequantize(codes, scale):
+    values = codes.astype(np.float64)
+    return values if scale is None else values * scale.astype(np.float64)[..., None]
+
+
+def paged(rng, kc, block_size, spare=3):
+    """The contiguous (B, cap, ...) array `kc` spread over shuffled blocks of `block_size` rows."""
+    B, cap = kc.shape[:2]
+    per = cap // block_size
+    table = rng.permutation(B * per + spare)[:B * per].reshape(B, per).astype(np.int32)
+    out = np.zeros((B * per + spare, block_size) + kc.shape[2:], kc.dtype)
+    for b in range(B):
+        for j in range(per):
+            out[table[b, j]] = kc[b, j * block_size:(j + 1) * block_size]
+    return out, table
+
+
+def quant_cache(rng, B, cap, Hk, D, Dv, code, with_scales=True, block_size=None, table_rng=None):
+    """(k_cache, v_cache, k_scale, v_scale, block_table) holding quantized random values."""
+    kc, ks = quantize(rand(rng, (B, cap, Hk, D)) * 2, code, with_scales)
+    vc, vs = quantize(rand(rng, (B, cap, Hk, Dv)), code, with_scales)
+    if block_size is None:
+        return kc, vc, ks, vs, None
+    t_seed = int(rng.integers(1 << 30))
+    kc, table = paged(np.random.default_rng(t_seed), kc, block_size)
+    vc, _ = paged(np.random.default_rng(t_seed), vc, block_size)
+    if with_scales:
+        ks, _ = paged(np.random.default_rng(t_seed), ks, block_size)
+        vs, _ = paged(np.random.default_rng(t_seed), vs, block_size)
+    return kc, vc, ks, vs, table
+
+
+def check_quant(q, kc, vc, ks, vs, k, v, dtype, **kw):
+    """One call with return_lse against the float64 reference on the dequantized caches (after
+    the expected append); the caches and scales must hold exactly the expected codes."""
+    code = "int8" if kc.dtype == np.int8 else "fp8"
+    exp = []
+    for cache, scale, new in ((kc, ks, k), (vc, vs, v)):
+        c, s = cache.copy(), None if scale is None else scale.copy()
+        if new is not None:
+            codes, scales = quantize(new, code, scale is not None)
+            lens = np.broadcast_to(np.asarray(kw["cache_seqlens"]), (q.shape[0],))
+            table = kw.get("block_table")
+            bs = cache.shape[1]
+            for b in range(q.shape[0]):
+                for t in range(new.shape[1]):
+                    pos = int(lens[b]) + t
+                    blk, row = (b, pos) if table is None else (table[b, pos // bs], pos % bs)
+                    c[blk, row] = codes[b, t]
+                    if s is not None:
+                        s[blk, row] = scales[b, t]
+        exp.append((c, s))
+    (ek, eks), (ev, evs) = exp
+    lens = kw.get("cache_seqlens")
+    nnew = 0 if k is None else k.shape[1]
+    r_opts = {a: b for a, b in kw.items() if a not in ("num_splits", "num_threads", "cache_seqlens", "block_table")}
+    r_out, r_lse = ref.kvcache_ref(q, dequantize(ek, eks), dequantize(ev, evs),
+                                   cache_seqlens=None if lens is None else np.asarray(lens) + nnew,
+                                   block_table=kw.get("block_table"), **r_opts)
+    out, lse = fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, k_scale=ks, v_scale=vs, return_lse=True, **kw)
+    check_close(out, r_out, dtype)
+    check_close(lse, r_lse, dtype, "lse")
+    assert_bytes_equal(kc, ek, "k_cache")
+    assert_bytes_equal(vc, ev, "v_cache")
+    if ks is not None:
+        assert_bytes_equal(ks, eks, "k_scale")
+        assert_bytes_equal(vs, evs, "v_scale")
+    return out
+
+
+# ------------------------------------------------------------------------------ numerics
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("code", ["int8", "fp8"])
+@pytest.mark.parametrize("block_size", [None, 16, 64], ids=["contiguous", "paged16", "paged64"])
+@pytest.mark.parametrize("nq,nnew", [(1, 0), (1, 1), (7, 7), (40, 0)], ids=["decode", "decode+append", "chunk7", "prefill40"])
+def test_quantized_cache(isa, rng, dtype, code, block_size, nq, nnew):
+    B, cap, Hq, Hk, D = 3, 320, 8, 2, 64
+    kc, vc, ks, vs, table = quant_cache(rng, B, cap, Hk, D, D, code, block_size=block_size)
+    lens = np.array([0, 129, cap - 7 - nnew], np.int32)
+    q = rand(rng, (B, nq, Hq, D), dtype)
+    k = v = None
+    if nnew:
+        k, v = rand(rng, (B, nnew, Hk, D), dtype), rand(rng, (B, nnew, Hk, D), dtype)
+    check_quant(q, kc, vc, ks, vs, k, v, dtype, cache_seqlens=lens, block_table=table, causal=True)
+
+
+@pytest.mark.parametrize("code", ["int8", "fp8"])
+@pytest.mark.parametrize("cap", [1, 7, 255, 256, 257, 521])
+@pytest.mark.parametrize("D,Dv", [(128, 128), (1, 17), (96, 40)])
+def test_tile_edges(isa, rng, code, cap, D, Dv):
+    """Capacities around the decode route's 256-key tile and primes; odd head dims; GQA 6/3."""
+    B, Hq, Hk = 2, 6, 3
+    kc, vc, ks, vs, _ = quant_cache(rng, B, cap, Hk, D, Dv, code)
+    for nq in (1, 3, 17):
+        q = rand(rng, (B, nq, Hq, D))
+        check_quant(q, kc, vc, ks, vs, None, None, "float32", cache_seqlens=np.array([cap, cap // 2], np.int32))
+
+
+@pytest.mark.parametrize("splits", [1, 0, 3])
+@pytest.mark.parametrize("code", ["int8", "fp8"])
+def test_splits(isa, rng, code, splits):
+    """Split-KV (flash-decoding) over a long quantized cache, B=1: the merge sees dequantized partials."""
+    B, cap, Hq, Hk, D = 1, 4100, 8, 2, 64
+    kc, vc, ks, vs, _ = quant_cache(rng, B, cap, Hk, D, D, code)
+    q = rand(rng, (B, 1, Hq, D))
+    check_quant(q, kc, vc, ks, vs, None, None, "float32", cache_seqlens=cap, num_splits=splits)
+
+
+def test_float8_without_scales(isa, rng):
+    """float8 caches need no scales (scale 1); appended values are converted directly, saturating."""
+    B, cap, Hq, Hk, D = 2, 64, 4, 1, 32
+    kc, vc, ks, vs, _ = quant_cache(rng, B, cap, Hk, D, D, "fp8", with_scales=False)
+    assert ks is None and vs is None
+    q = rand(rng, (B, 2, Hq, D))
+    k, v = rand(rng, (B, 2, Hk, D)) * 300, rand(rng, (B, 2, Hk, D)) * 300  # some beyond +-448
+    check_quant(q, kc, vc, None, None, k, v, "float32", cache_seqlens=10)
+    assert np.abs(kc[:, 10:12].astype(np.float32)).max() == 448.0
+
+
+def test_bhsd_layout(isa, rng):
+    """layout='bhsd': caches (B, Hk, Ncap, D) and scales (B, Hk, Ncap), same results as bshd."""
+    B, cap, Hq, Hk, D = 2, 100, 4, 2, 32
+    kc, vc, ks, vs, _ = quant_cache(rng, B, cap, Hk, D, D, "int8")
+    q = rand(rng, (B, 1, Hq, D))
+    k, v = rand(rng, (B, 1, Hk, D)), rand(rng, (B, 1, Hk, D))
+    args = [a.copy() for a in (kc, vc, ks, vs)]
+    want = fa2cpu.flash_attention_with_kvcache(q, *args[:2], k, v, k_scale=args[2], v_scale=args[3], cache_seqlens=50)
+    t = [np.ascontiguousarray(np.swapaxes(a, 1, 2)) for a in (kc, vc, ks, vs)]
+    got = fa2cpu.flash_attention_with_kvcache(np.swapaxes(q, 1, 2), t[0], t[1], np.swapaxes(k, 1, 2),
+                                              np.swapaxes(v, 1, 2), k_scale=t[2], v_scale=t[3], cache_seqlens=50,
+                                              layout="bhsd")
+    np.testing.assert_array_equal(np.swapaxes(got, 1, 2), want)
+    for a, b in zip(t, args):
+        np.testing.assert_array_equal(np.swapaxes(a, 1, 2), b)
+
+
+def test_quantize_rule_exact(rng):
+    """The append writes exactly API.md's codes and scales: the element of largest magnitude gets
+    code +-127 (+-448), every value is within half a code step, a zero row gets scale 0, codes 0."""
+    B, cap, Hk, D = 2, 8, 3, 16
+    for code in ("int8", "fp8"):
+        dt, limit = CODES[code]
+        kc, vc = np.zeros((B, cap, Hk, D), dt), np.zeros((B, cap, Hk, D), dt)
+        ks, vs = np.full((B, cap, Hk), -1, np.float32), np.full((B, cap, Hk), -1, np.float32)
+        k = rand(rng, (B, 2, Hk, D)) * 3
+        k[0, 1, 2] = 0.0
+        v = rand(rng, (B, 2, Hk, D))
+        q = rand(rng, (B, 1, Hk, D))
+        fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, k_scale=ks, v_scale=vs, cache_seqlens=3)
+        codes, scales = quantize(k, code)
+        assert_bytes_equal(kc[:, 3:5], codes, "codes")
+        assert_bytes_equal(ks[:, 3:5], scales, "scales")
+        assert ks[0, 4, 2] == 0 and not kc[0, 4, 2].astype(np.float32).any()
+        assert (ks[:, :3] == -1).all() and (ks[:, 5:] == -1).all()  # nothing else written
+        got = kc[:, 3:5].astype(np.float32)
+        nz = ks[:, 3:5] > 0
+        assert (np.abs(got).max(axis=-1)[nz] == limit).all()
+        err = np.abs(got * ks[:, 3:5, :, None] - k)
+        step = ks[:, 3:5, :, None] * (0.5 if code == "int8" else 2.0 ** -4 * np.maximum(np.abs(got), 2.0 ** -6))
+        assert (err <= step * (1 + 1e-6) + 1e-30).all()
+
+
+def test_nan_code_propagates(isa, rng):
+    """A float8 NaN code (S.1111.111) makes the rows that see it NaN, as a NaN in a float cache would."""
+    B, cap, Hq, Hk, D = 1, 40, 2, 1, 16
+    kc, vc, _, _, _ = quant_cache(rng, B, cap, Hk, D, D, "fp8", with_scales=False)
+    vc.view(np.uint8)[0, 5, 0, 3] = 0x7F
+    for nq in (1, 20):
+        out = fa2cpu.flash_attention_with_kvcache(rand(rng, (B, nq, Hq, D)), kc, vc, cache_seqlens=cap)
+        assert np.isnan(out[..., 3]).all()
+
+
+# ------------------------------------------------------------------------------ errors
+
+def _setup(rng, code="int8"):
+    B, cap, Hq, Hk, D = 2, 16, 4, 2, 8
+    kc, vc, ks, vs, _ = quant_cache(rng, B, cap, Hk, D, D, code)
+    q = rand(rng, (B, 1, Hq, D))
+    k, v = rand(rng, (B, 1, Hk, D)), rand(rng, (B, 1, Hk, D))
+    return q, kc, vc, ks, vs, k, v
+
+
+def _untouched(call, arrays, exc, match):
+    before = [a.copy() for a in arrays]
+    with pytest.raises(exc, match=match):
+        call()
+    for a, b in zip(arrays, before):
+        assert_bytes_equal(a, b, "array changed by a failed call")
+
+
+def test_int8_requires_scales(rng):
+    q, kc, vc, ks, vs, k, v = _setup(rng)
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, k_scale=ks),
+               [kc, vc, ks], ValueError, arg("v_scale"))
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3),
+               [kc, vc], ValueError, arg("k_scale"))
+
+
+def test_scales_with_float_cache(rng):
+    q, kc, vc, ks, vs, k, v = _setup(rng)
+    fk, fv = kc.astype(np.float32), vc.astype(np.float32)
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, fk, fv, k, v, cache_seqlens=3, k_scale=ks, v_scale=vs),
+               [fk, fv, ks, vs], ValueError, arg("k_scale"))
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lambda s: s.astype(np.float64), TypeError, "float32"),
+    (lambda s: s[:, :-1], ValueError, "shape"),
+    (lambda s: s[..., None], ValueError, "shape"),
+    (lambda s: s.tolist(), TypeError, "NumPy array"),
+])
+def test_bad_scales(rng, bad, exc, match):
+    q, kc, vc, ks, vs, k, v = _setup(rng)
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, k_scale=ks,
+                                                           v_scale=bad(vs)),
+               [kc, vc, ks, vs], exc, match)
+
+
+def test_read_only_scales_with_append(rng):
+    q, kc, vc, ks, vs, k, v = _setup(rng)
+    vs.flags.writeable = False
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, k_scale=ks, v_scale=vs),
+               [kc, vc, ks, vs], ValueError, arg("v_scale"))
+    fa2cpu.flash_attention_with_kvcache(q, kc, vc, k_scale=ks, v_scale=vs, cache_seqlens=3)  # reading is fine
+
+
+def test_mixed_cache_dtypes(rng):
+    q, kc, vc, ks, vs, k, v = _setup(rng)
+    vf8 = vc.astype(F8)
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vf8, k, v, cache_seqlens=3, k_scale=ks, v_scale=vs),
+               [kc, vf8, ks, vs], TypeError, arg("v_cache"))
+    with pytest.raises(TypeError, match=arg("q")):
+        fa2cpu.flash_attention_with_kvcache(q.astype(np.int8), kc, vc, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("code", ["int8", "fp8"])
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_non_finite_append(rng, code, bad):
+    q, kc, vc, ks, vs, k, v = _setup(rng, code)
+    v[1, 0, 1, 2] = bad
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, k_scale=ks, v_scale=vs),
+               [kc, vc, ks, vs], ValueError, arg("v"))
+
+
+def test_capacity_exceeded(rng):
+    q, kc, vc, ks, vs, k, v = _setup(rng)
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=16, k_scale=ks, v_scale=vs),
+               [kc, vc, ks, vs], ValueError, "capacity")
+
+
+def test_out_overlapping_scales(rng):
+    q, kc, vc, ks, vs, k, v = _setup(rng)
+    out = ks.reshape(-1)[:q.size].reshape(q.shape)
+    _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, k_scale=ks, v_scale=vs,
+                                                           out=out),
+               [kc, vc, ks, vs], ValueError, arg("out"))
