@@ -340,3 +340,22 @@ def test_console_script_matches_module():
         pytest.skip("fa2cpu-bench is not installed as a console script here")
     r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and fa2cpu.__version__ in r.stdout
+
+
+def test_quantized_kv_cache_rows(capsys, tmp_path):
+    """--kv-dtype int8 fp8: decode rows for each quantized cache beside the float cache's, checked
+    against the reference on the dequantized cache, bytes counting codes + scales, tokens/s."""
+    path = tmp_path / "kv.json"
+    code, out, _ = run_main(capsys, "--mode", "decode", "--seqlen-k", "300", "--heads", "8", "--dtype", "bf16",
+                            "--kv-dtype", "int8,fp8", "--baselines", "torch", "--json", str(path))
+    assert code == 0, out
+    assert "tok/s" in out and "kv=int8" in out and "kv=fp8" in out and "no int8 KV cache" in out
+    recs = [r for r in json.loads(path.read_text())["records"] if r["impl"] == "fa2cpu"]
+    by_kv = {r["kv_dtype"]: r for r in recs}
+    assert set(by_kv) == {None, "int8", "fp8"}
+    for r in recs:
+        assert r["check"] == "ok" and r["tokens_per_s"] > 0
+    B, Hq, Hk, Nk, D = (by_kv[None][k] for k in ("batch", "heads_q", "heads_kv", "seqlen_k", "head_dim"))
+    q_out = B * Hq * 2 * D * 2
+    assert by_kv[None]["bytes"] == q_out + B * Nk * Hk * 2 * D * 2
+    assert by_kv["int8"]["bytes"] == q_out + B * Nk * Hk * (2 * D + 8)

@@ -15,7 +15,9 @@ Conventions
 * FLOPs: ``2*(D + Dv)`` per visible (query, key) pair and query head, i.e. ``4*B*Hq*Nq*Nk*D`` when
   ``Dv == D``; causal masks are bottom-right aligned and only visible pairs are counted.
 * Decode bytes: q, K and V read once plus the output written; GB/s is that over the median time, and
-  %bw compares it with the read bandwidth measured in the same run.
+  %bw compares it with the read bandwidth measured in the same run. A quantized cache (--kv-dtype
+  int8/fp8) counts the bytes actually read: 1-byte codes plus a float32 scale per token and kv head
+  for K and for V. tok/s: tokens generated per second, B per call.
 * %peak compares GFLOP/s with the measured peak of the multiply-add instruction the kernel family
   uses for the dtype (fa2cpu rows: the family that ran; baselines: the family fa2cpu picks
   automatically). Families that convert bf16 to fp32 share the FMA's peak: one probe per instruction.
@@ -49,12 +51,13 @@ RECORD (one per measurement):
   causal          bool (bottom-right aligned)
   batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, head_dim_v   (int)
   seqlens         varlen: per-sequence lengths; otherwise null
+  kv_dtype        decode with a quantized cache: "int8" | "fp8"; otherwise null
   threads         int
   status          "ok" | "skipped" | "error";  note: why skipped / failed / fallbacks used
   warmup, repeat, calls_per_sample   (short calls are repeated inside one timed sample)
   times_s         per-call seconds, one per sample;  median_s, min_s, max_s, q1_s, q3_s
   flops, gflops, peak_family, peak_gflops, pct_peak
-  bytes, gbs, read_bw_gbs, pct_bw
+  bytes, gbs, read_bw_gbs, pct_bw, tokens_per_s (decode)
   max_abs_err     vs error_ref ("numpy" | "torch" | "reference" = untimed NumPy | null)
   check           "ok" | "FAIL" | "ref" (this row is the reference) | null;  atol, rtol
   speedup         {baseline: baseline median_s / this median_s} at the same shape and threads

@@ -13,6 +13,8 @@ DTYPES = {"fp32": np.dtype(np.float32), "bf16": np.dtype(ml_dtypes.bfloat16),
           "fp16": np.dtype(np.float16)}
 DTYPE_LONG_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_ALIASES = {**{s: s for s in DTYPES}, **{long: s for s, long in DTYPE_LONG_NAMES.items()}}
+# Quantized KV caches of decode (--kv-dtype): codes + one float32 scale per (token, kv head) of K and of V.
+KV_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 
 # (atol, rtol) of the benchmark's correctness check, |out - ref| <= atol + rtol*|ref|. Loose on
 # purpose: it catches wrong answers, not rounding differences between implementations.
@@ -65,6 +67,7 @@ class Case:
     head_dim: int
     head_dim_v: int
     seqlens: tuple[int, ...] | None = None   # varlen: per-sequence lengths (q and k alike)
+    kv_dtype: str | None = None              # decode: "int8" / "fp8" quantized cache; None: dtype's
 
     @property
     def sequences(self) -> list[tuple[int, int]]:
@@ -80,12 +83,15 @@ class Case:
 
     @property
     def bytes(self) -> int:
-        """Bytes of q, K, V read once and of the output written."""
+        """Bytes of q, K, V read once and of the output written; a quantized cache's K/V bytes
+        are its codes plus its float32 scales (one per token and kv head, for K and for V)."""
         tq = sum(nq for nq, _ in self.sequences)
         tk = sum(nk for _, nk in self.sequences)
-        elems = (tq * self.heads_q * (self.head_dim + self.head_dim_v)
-                 + tk * self.heads_kv * (self.head_dim + self.head_dim_v))
-        return elems * DTYPES[self.dtype].itemsize
+        q_out = tq * self.heads_q * (self.head_dim + self.head_dim_v) * DTYPES[self.dtype].itemsize
+        kv = tk * self.heads_kv * (self.head_dim + self.head_dim_v)
+        if self.kv_dtype is None:
+            return q_out + kv * DTYPES[self.dtype].itemsize
+        return q_out + kv * KV_DTYPES[self.kv_dtype].itemsize + tk * self.heads_kv * 2 * 4
 
     @property
     def work(self) -> int:
@@ -113,7 +119,7 @@ class Case:
         else:
             n = f"{self.seqlen_q}/{self.seqlen_k}"
         d = f"{self.head_dim}" if self.head_dim == self.head_dim_v else f"{self.head_dim}/{self.head_dim_v}"
-        return f"B={self.batch} H={heads} N={n} D={d}"
+        return f"B={self.batch} H={heads} N={n} D={d}" + (f" kv={self.kv_dtype}" if self.kv_dtype else "")
 
 
 def varlen_lengths(batch: int, seqlen: int) -> tuple[int, ...]:
@@ -150,17 +156,19 @@ def build_cases(args) -> list[Case]:
     for mode in args.mode:
         batch, heads, kv_heads = mode_shape(args, mode)
         causals = (False,) if mode == "decode" else args.causal   # Nq=1 bottom-right sees every key
+        kv_dtypes = (getattr(args, "kv_dtype", None) or [None]) if mode == "decode" else [None]
         for dtype in args.dtype:
             for n in mode_lengths(args, mode)[0]:
                 for causal in causals:
-                    if mode == "prefill":
-                        nq, nk, lengths = n, args.seqlen_k or n, None
-                    elif mode == "decode":
-                        nq, nk, lengths = 1, n, None
-                    else:
-                        nq, nk, lengths = n, n, varlen_lengths(batch, n)
-                    cases.append(Case(mode, dtype, causal, batch, heads, kv_heads, nq, nk,
-                                      args.head_dim, args.head_dim, lengths))
+                    for kv_dtype in kv_dtypes:
+                        if mode == "prefill":
+                            nq, nk, lengths = n, args.seqlen_k or n, None
+                        elif mode == "decode":
+                            nq, nk, lengths = 1, n, None
+                        else:
+                            nq, nk, lengths = n, n, varlen_lengths(batch, n)
+                        cases.append(Case(mode, dtype, causal, batch, heads, kv_heads, nq, nk,
+                                          args.head_dim, args.head_dim, lengths, kv_dtype))
     return cases
 
 
@@ -177,6 +185,8 @@ class Inputs:
     v: np.ndarray
     cu_seqlens: np.ndarray | None = None
     bhsd: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None   # see baseline_problems
+    k_scale: np.ndarray | None = None    # decode with a quantized cache: (B, Nk, Hk) float32
+    v_scale: np.ndarray | None = None
 
 
 def uniform(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -195,6 +205,8 @@ def make_inputs(case: Case, seed: int) -> Inputs:
         return Inputs(uniform(rng, (b, hq, case.seqlen_q, d), dt),
                       uniform(rng, (b, hk, case.seqlen_k, d), dt),
                       uniform(rng, (b, hk, case.seqlen_k, dv), dt))
+    if case.mode == "decode" and case.kv_dtype:
+        return quantized_decode_inputs(case, rng)
     if case.mode == "decode":
         return Inputs(uniform(rng, (b, 1, hq, d), dt),
                       uniform(rng, (b, case.seqlen_k, hk, d), dt),
@@ -205,6 +217,23 @@ def make_inputs(case: Case, seed: int) -> Inputs:
                   uniform(rng, (total, hk, dv), dt), cu)
 
 
+def quantized_decode_inputs(case: Case, rng: np.random.Generator) -> Inputs:
+    """Decode inputs with an int8 / float8 cache: uniform values quantized by the library's own
+    append rule (fa2cpu.attention._quantize), one sequence at a time to bound the float32 temporaries."""
+    from fa2cpu.attention import _quantize
+    b, hk, nk = case.batch, case.heads_kv, case.seqlen_k
+    code = KV_DTYPES[case.kv_dtype]
+    q = uniform(rng, (b, 1, case.heads_q, case.head_dim), DTYPES[case.dtype])
+    caches, scales = [], []
+    for dim in (case.head_dim, case.head_dim_v):
+        c, s = np.empty((b, nk, hk, dim), code), np.empty((b, nk, hk), np.float32)
+        for i in range(b):
+            c[i], s[i] = _quantize(uniform(rng, (nk, hk, dim), np.dtype(np.float32)), c, True)
+        caches.append(c)
+        scales.append(s)
+    return Inputs(q, caches[0], caches[1], k_scale=scales[0], v_scale=scales[1])
+
+
 def baseline_problems(case: Case, x: Inputs) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The inputs as contiguous bhsd (q, k, v) arrays, one triple per independent attention
     problem: the layout NumPy and torch are fastest with (strided K/V views make NumPy's matmul
@@ -212,6 +241,9 @@ def baseline_problems(case: Case, x: Inputs) -> list[tuple[np.ndarray, np.ndarra
     if x.bhsd is None:
         if case.mode == "prefill":
             views = [(x.q, x.k, x.v)]
+        elif case.mode == "decode" and case.kv_dtype:   # the dequantized cache, float32
+            k, v = (c.astype(np.float32) * s[..., None] for c, s in ((x.k, x.k_scale), (x.v, x.v_scale)))
+            views = [tuple(a.transpose(0, 2, 1, 3) for a in (x.q, k, v))]
         elif case.mode == "decode":
             views = [tuple(a.transpose(0, 2, 1, 3) for a in (x.q, x.k, x.v))]
         else:

@@ -11,7 +11,9 @@ import fa2cpu
 
 from . import peers
 from .cases import (DECODE_GQA_GROUP, DEFAULT_DTYPES, DEFAULT_HEAD_DIM, DEFAULT_MODES, DTYPE_LONG_NAMES,
-                    MODE_DEFAULTS, MODES, build_cases, dtype_name, mode_lengths, mode_shape)
+                    KV_DTYPES, MODE_DEFAULTS, MODES, build_cases, dtype_name, mode_lengths, mode_shape)
+
+KV_CHOICES = ("same",) + tuple(KV_DTYPES)
 from .machine import Probes, default_threads, machine_info, usable_cpus
 from .report import PlotError, check_plot_path, format_header, print_report, write_json, write_plot
 from .sweep import Progress, Record, Sweep, add_speedups, budget_order, run_sweep
@@ -112,6 +114,10 @@ def make_parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("what to run")
     what.add_argument("--dtype", nargs="+", metavar="DTYPE", type=_list_of(dtype_arg),
                       help=f"input dtypes, from {dtypes} (default: {' '.join(DEFAULT_DTYPES)})")
+    what.add_argument("--kv-dtype", nargs="+", metavar="KV", type=_list_of(_choice("kv dtype", KV_CHOICES)),
+                      help="decode KV cache: 'same' (the --dtype cache), 'int8', 'fp8' (float8_e4m3fn codes with "
+                           "float32 scales per token and head); a quantized cache is measured beside the "
+                           "--dtype cache, whose row is always kept for comparison (default: same)")
     causal = what.add_mutually_exclusive_group()
     causal.add_argument("--causal", dest="causal", action="store_const", const=[True],
                         help="only causal attention (bottom-right aligned) (default: both)")
@@ -176,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mode = _flatten(args.mode, DEFAULT_MODES)
     args.dtype = _flatten(args.dtype, DEFAULT_DTYPES)
     args.seqlen = _flatten(args.seqlen, ())
+    args.kv_dtype = [None] + [k for k in _flatten(args.kv_dtype, ("same",)) if k != "same"]
     threads = sorted(_flatten(args.threads, (default_threads(),)))
     cpus = usable_cpus()
     args.threads = sorted({min(t, cpus) for t in threads})

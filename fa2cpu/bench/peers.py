@@ -86,7 +86,8 @@ def fa2cpu_runner(case: Case, x: Inputs, threads: int) -> Runner:
                       lambda o: np.asarray(o, np.float32), "fa2cpu.flash_attention")
     if case.mode == "decode":
         return Runner(lambda: fa2cpu.flash_attention_with_kvcache(x.q, x.k, x.v, causal=case.causal,
-                                                                  num_threads=t),
+                                                                  num_threads=t, k_scale=x.k_scale,
+                                                                  v_scale=x.v_scale),
                       lambda o: np.asarray(o, np.float32).transpose(0, 2, 1, 3),
                       "fa2cpu.flash_attention_with_kvcache")
     n = max(case.seqlens)

@@ -118,7 +118,7 @@ def format_results(records: list[Record], mode: str, baselines: list[str], sever
     headers = ["shape", "dtype", "causal"] + (["thr"] if several_threads else []) + ["impl"]
     left = len(headers)
     headers += ["median ms", "[min..max]", "GFLOP/s"]
-    headers += ["GB/s", "%bw"] if decode else ["%peak"]
+    headers += ["GB/s", "%bw", "tok/s"] if decode else ["%peak"]
     headers += [f"vs {b}" for b in baselines] + ["max err", "check", "note"]
     rows, previous = [], None
     for r in records:
@@ -134,9 +134,10 @@ def format_results(records: list[Record], mode: str, baselines: list[str], sever
         if r.ok:
             t = r.times_s
             row += [_fmt_ms(r.median_s), f"[{_fmt_ms(min(t))}..{_fmt_ms(max(t))}]", _fmt(r.gflops, ".1f")]
-            row += [_fmt(r.gbs, ".1f"), _fmt(r.pct_bw, ".0f", "%")] if decode else [_fmt(r.pct_peak, ".0f", "%")]
+            row += ([_fmt(r.gbs, ".1f"), _fmt(r.pct_bw, ".0f", "%"), _fmt(r.tokens_per_s, ".0f")] if decode
+                    else [_fmt(r.pct_peak, ".0f", "%")])
         else:
-            row += [r.status, "", ""] + (["", ""] if decode else [""])
+            row += [r.status, "", ""] + (["", "", ""] if decode else [""])
         row += [_fmt(r.speedup.get(b), ".2f", "x") for b in baselines]
         row += [_fmt(r.max_abs_err, ".1e"), r.check or "", notes.ref(r.note)]
         rows.append(row)

@@ -66,6 +66,11 @@ class Record:
         return self.case.bytes / self.median_s / 1e9 if self.ok else None
 
     @property
+    def tokens_per_s(self) -> float | None:
+        """Decode: tokens generated per second (one per sequence per call)."""
+        return self.case.batch / self.median_s if self.ok and self.case.mode == "decode" else None
+
+    @property
     def pct_peak(self) -> float | None:
         return 100 * self.gflops / self.peak_gflops if self.ok and self.peak_gflops else None
 
@@ -76,7 +81,7 @@ class Record:
     @classmethod
     def from_json(cls, rec: dict) -> "Record":
         """Inverse of to_json (derived values such as gflops are recomputed from the times)."""
-        case = Case(**{f.name: rec[f.name] for f in dataclasses.fields(Case)})
+        case = Case(**{f.name: rec.get(f.name, f.default) for f in dataclasses.fields(Case)})
         case = dataclasses.replace(case, seqlens=tuple(case.seqlens) if case.seqlens else None)
         own = {f.name: rec[f.name] for f in dataclasses.fields(cls) if f.name != "case"}
         return cls(case, **own)
@@ -86,7 +91,7 @@ class Record:
         q1, q3 = np.percentile(t, [25, 75]).tolist() if t else (None, None)
         atol, rtol = TOLERANCES[self.case.dtype]
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "case"}
-        derived = {k: getattr(self, k) for k in ("median_s", "gflops", "pct_peak", "gbs", "pct_bw")}
+        derived = {k: getattr(self, k) for k in ("median_s", "gflops", "pct_peak", "gbs", "pct_bw", "tokens_per_s")}
         return {**own, **dataclasses.asdict(self.case), **derived,
                 "seqlens": list(self.case.seqlens) if self.case.seqlens else None,
                 "min_s": min(t, default=None), "max_s": max(t, default=None), "q1_s": q1, "q3_s": q3,
@@ -200,6 +205,9 @@ def run_case(sweep: Sweep, case: Case, records: list[Record]) -> None:
     for threads in sweep.threads:
         makers = {"numpy": lambda: numpy_runner(case, x, threads, sweep.numpy_max_bytes),
                   "torch": lambda: torch_runner(case, x, threads, sweep.torch)}
+        if case.kv_dtype:   # the baselines have no quantized cache: compare with the float cache's row
+            makers = {name: (lambda name=name: f"{name} skipped: no {case.kv_dtype} KV cache; compare with the "
+                                               f"{case.dtype} cache's row") for name in makers}
         for name in sweep.baselines:
             rec, out = run_one(sweep, case, name, threads, makers[name])
             if sweep.check and ref is None and out is not None:

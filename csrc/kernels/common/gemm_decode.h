@@ -222,13 +222,37 @@ struct DecodeGemm {
                     }
                 }
             }
-            for (int i = 0; i < nkb; ++i)
-                for (int j = 0; j < RG; ++j) {
-                    float x = _mm512_reduce_add_ps(acc[i][j]);
-                    if constexpr (E::kCodes) x *= ks.factor(j, c + i);
-                    s[(c + i) * RB + j] = x;
-                }
+            alignas(64) float sum[KB * RG];
+            __m512 total = sums16(acc);
+            if constexpr (E::kCodes) {
+                alignas(64) float f[KB * RG];
+                for (int i = 0; i < KB; ++i)
+                    for (int j = 0; j < RG; ++j) f[i * RG + j] = i < nkb ? ks.factor(j, c + i) : 0.f;
+                total = _mm512_mul_ps(total, _mm512_load_ps(f));
+            }
+            _mm512_store_ps(sum, total);
+            for (int i = 0; i < nkb; ++i) std::memcpy(s + (c + i) * RB, sum + i * RG, RG * sizeof(float));
         }
+    }
+
+    // The 16 horizontal sums of acc[i][j] as one vector, lane i*RG + j: a transpose-and-add tree
+    // (45 instructions instead of 16 reductions of ~9; in QK with D = 128 those were a third of
+    // the work). Per 128-bit block: unpack ps pairs, then pd pairs, then fold blocks twice.
+    static_assert(KB * RG == 16, "one vector of sums");
+    static __m512 sums16(const __m512 (&acc)[KB][RG]) {
+        const __m512* v = &acc[0][0];
+        __m512 s1[8], s2[4];
+        for (int j = 0; j < 8; ++j)  // block: [a0+a2, b0+b2, a1+a3, b1+b3]
+            s1[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+        for (int j = 0; j < 4; ++j) {  // block: the block sums of v[4j .. 4j+3]
+            const __m512d c = _mm512_castps_pd(s1[2 * j]), d = _mm512_castps_pd(s1[2 * j + 1]);
+            s2[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+        }
+        auto fold = [](__m512 x, __m512 y) {  // blocks [x0+x1, x2+x3, y0+y1, y2+y3]
+            return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+        };
+        return fold(fold(s2[0], s2[1]), fold(s2[2], s2[3]));
     }
 
     template <int NV, bool kOneHead>
