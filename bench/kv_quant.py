@@ -2,6 +2,7 @@
 sequences, Hq/Hk heads, Nk cached tokens, D=128 (issue 13's case by default). Per cache: median ms,
 GB/s of cache bytes actually read (codes + float32 scales for int8/fp8; q and out included), % of
 the read bandwidth probed in the same process, tokens/s, and tokens/s over the bf16 cache's.
+Float caches need nothing beyond the float API (the script also runs against older builds).
 
     python bench/kv_quant.py [--threads 2] [--batch 16] [--nk 8192] [--reps 15] [--caches bf16,int8,fp8]
 """
@@ -14,7 +15,6 @@ import numpy as np
 
 import fa2cpu
 from fa2cpu import _core
-from fa2cpu.bench.cases import Case, make_inputs
 
 
 def main():
@@ -32,17 +32,30 @@ def main():
     bw = _core.read_bandwidth_gbs(a.threads)
     print(f"# fa2cpu {fa2cpu.get_isa()}, {a.threads} threads, B={a.batch} Hq={a.heads} Hk={a.kv_heads} "
           f"Nk={a.nk} D={a.dim}, q {a.q_dtype}; read bandwidth probe {bw:.1f} GB/s", flush=True)
+    rng = np.random.default_rng(0)
+    qdt = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32}[a.q_dtype]
+    B, Hk, N, D = a.batch, a.kv_heads, a.nk, a.dim
     runs = {}
     for name in a.caches.split(","):
-        quant = name in ("int8", "fp8")
-        case = Case("decode", a.q_dtype if quant else name, False, a.batch, a.heads, a.kv_heads, 1, a.nk,
-                    a.dim, a.dim, None, name if quant else None)
-        x = make_inputs(case, 0)
-        q = x.q if not quant or a.q_dtype == "bf16" else x.q.astype(np.float32)
-        if not quant and a.q_dtype != name:  # q in the cache's dtype: one dtype for q and a float cache
-            q = x.q.astype(x.k.dtype)
-        runs[name] = (case, lambda q=q, x=x: fa2cpu.flash_attention_with_kvcache(
-            q, x.k, x.v, k_scale=x.k_scale, v_scale=x.v_scale, num_threads=a.threads))
+        if name in ("int8", "fp8"):   # codes + float32 scales, by the library's append rule
+            from fa2cpu.attention import _quantize
+            code = np.dtype(np.int8) if name == "int8" else np.dtype(ml_dtypes.float8_e4m3fn)
+            kv = []
+            for _ in range(2):
+                c, s = np.empty((B, N, Hk, D), code), np.empty((B, N, Hk), np.float32)
+                for b in range(B):
+                    c[b], s[b] = _quantize(rng.standard_normal((N, Hk, D), np.float32), c, True)
+                kv += [c, s]
+            q = rng.standard_normal((B, 1, a.heads, D), np.float32).astype(qdt)
+            cache_bytes = 2 * B * N * Hk * (D + 4)
+            runs[name] = (q.nbytes * 2 + cache_bytes, lambda q=q, kv=kv: fa2cpu.flash_attention_with_kvcache(
+                q, kv[0], kv[2], k_scale=kv[1], v_scale=kv[3], num_threads=a.threads))
+        else:                         # a float cache: q, K, V in one dtype
+            dt = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32}[name]
+            k, v = (rng.standard_normal((B, N, Hk, D), np.float32).astype(dt) for _ in range(2))
+            q = rng.standard_normal((B, 1, a.heads, D), np.float32).astype(dt)
+            runs[name] = (q.nbytes * 2 + k.nbytes + v.nbytes, lambda q=q, k=k, v=v: fa2cpu.flash_attention_with_kvcache(
+                q, k, v, num_threads=a.threads))
     times = {n: [] for n in runs}
     for _ in range(a.reps):
         for name, (_, call) in runs.items():
@@ -50,9 +63,9 @@ def main():
             call()
             times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["bf16"]) if "bf16" in times else None
-    for name, (case, _) in runs.items():
+    for name, (nbytes, _) in runs.items():
         t = statistics.median(times[name])
-        gbs = case.bytes / t / 1e9
+        gbs = nbytes / t / 1e9
         line = (f"{name:5s} cache  {t * 1e3:8.2f} ms  [{min(times[name]) * 1e3:.2f}..{max(times[name]) * 1e3:.2f}]"
                 f"  {gbs:6.1f} GB/s  {100 * gbs / bw:4.0f}% bw  {a.batch / t:8.0f} tok/s")
         if base:

@@ -118,16 +118,18 @@ def test_quantized_cache(isa, rng, dtype, code, block_size, nq, nnew):
     check_quant(q, kc, vc, ks, vs, k, v, dtype, cache_seqlens=lens, block_table=table, causal=True)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("code", ["int8", "fp8"])
 @pytest.mark.parametrize("cap", [1, 7, 255, 256, 257, 521])
-@pytest.mark.parametrize("D,Dv", [(128, 128), (1, 17), (96, 40)])
-def test_tile_edges(isa, rng, code, cap, D, Dv):
-    """Capacities around the decode route's 256-key tile and primes; odd head dims; GQA 6/3."""
+@pytest.mark.parametrize("D,Dv", [(128, 128), (1, 17), (96, 40), (33, 250)])
+def test_tile_edges(isa, rng, code, cap, D, Dv, dtype):
+    """Capacities around the decode route's 256-key tile and primes (odd key counts: the bf16
+    decode's key pairs); head dims off the 16 / 32 lanes; GQA 6/3 (rows of a group span kv heads)."""
     B, Hq, Hk = 2, 6, 3
     kc, vc, ks, vs, _ = quant_cache(rng, B, cap, Hk, D, Dv, code)
     for nq in (1, 3, 17):
-        q = rand(rng, (B, nq, Hq, D))
-        check_quant(q, kc, vc, ks, vs, None, None, "float32", cache_seqlens=np.array([cap, cap // 2], np.int32))
+        q = rand(rng, (B, nq, Hq, D), dtype)
+        check_quant(q, kc, vc, ks, vs, None, None, dtype, cache_seqlens=np.array([cap, cap // 2], np.int32))
 
 
 @pytest.mark.parametrize("splits", [1, 0, 3])

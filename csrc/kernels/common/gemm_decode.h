@@ -53,7 +53,8 @@ struct I8Elem {
     using T = int8_t;
     static constexpr bool kCodes = true;
     static constexpr float kUnit = 1.f;
-    static __m512 load(const T* p, __mmask16 m) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))); }
+    static __m512 convert(__m128i x) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)); }  // 16 codes
+    static __m512 load(const T* p, __mmask16 m) { return convert(_mm_maskz_loadu_epi8(m, p)); }
 };
 // float8_e4m3fn: the code's exponent and mantissa bits moved up into a float16's (sign to bit
 // 15, the rest from bit 7) give the same number with a float16 bias (15 for 7): 2^-8 times the
@@ -63,13 +64,14 @@ struct F8Elem {
     using T = uint8_t;
     static constexpr bool kCodes = true;
     static constexpr float kUnit = 256.f;
-    static __m512 load(const T* p, __mmask16 m) {
-        const __m256i x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+    static __m512 convert(__m128i codes) {  // 16 codes
+        const __m256i x = _mm256_cvtepu8_epi16(codes);
         const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
         const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_xor_si256(x, mag), 8), _mm256_slli_epi16(mag, 7));
         const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
         return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(NAN));
     }
+    static __m512 load(const T* p, __mmask16 m) { return convert(_mm_maskz_loadu_epi8(m, p)); }
 };
 
 inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n < 0 ? 0 : n)) - 1); }
@@ -336,11 +338,6 @@ struct DecodeGemm {
         }
     }
 };
-
-// The decode route of the AVX-512 families (routes.h).
-using Avx512DecodeRoute = DecodeRoute<TileLoop<V512, DecodeGemm<F32Elem>>, TileLoop<V512, DecodeGemm<F16Elem>>,
-                                      TileLoop<V512, DecodeGemm<Bf16Elem>>, TileLoop<V512, DecodeGemm<I8Elem>>,
-                                      TileLoop<V512, DecodeGemm<F8Elem>>>;
 
 }  // namespace
 }  // namespace fa2cpu

@@ -10,8 +10,8 @@
 //   m, l   [M] running max (log2 domain) and running sum per row
 //   kp, vp one packed K / V tile in G's layout (unused when G reads K/V in place)
 //   ks, vs quantized caches read by a policy without G::kReadsCodes: one K / V tile dequantized
-//          (codes x scales) into float32, or bf16 when q is bf16 (the bf16 policies' operand),
-//          [BC][D] row-major; G then reads or packs it like an ordinary contiguous tile
+//          (codes x scales) into float32 [BC][D] row-major; G (the float32 policy: routes.h keeps
+//          quantized caches off the bf16 ones) reads it like an ordinary contiguous float32 tile
 //   s      [BC][RB] float32 scores, then probabilities, of one row block (RB = G::RB rows)
 //
 // with M = R rounded up to G::kRowAlign (a multiple of W). The score scale is scale*log2e, or
@@ -241,13 +241,13 @@ struct TileLoop {
     }
 
     // Keys [c0, c0 + nc) of the item's kv head of a quantized cache, dequantized into `stage`
-    // (float32, or bf16 when q is bf16), and a Params describing `stage` as K (kWhich = 0) or V of
+    // (float32), and a Params describing `stage` as K (kWhich = 0) or V of
     // one contiguous sequence with one kv head: the policy's k_tile / v_tile then reads it (b = 0,
     // c0 = 0, head offset 0) as it reads any float cache. One BC-key tile at a time: the cache
     // itself is never copied.
     template <int kWhich>
     static Params dequantize_tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, float* stage) {
-        const DType ct = kv_dtype(p), st = DType(p.dtype) == DType::bf16 ? DType::bf16 : DType::f32;
+        const DType ct = kv_dtype(p);
         const void* codes = kWhich == 0 ? p.k : p.v;
         const float* sc = kWhich == 0 ? p.k_scale : p.v_scale;
         const int64_t n = kWhich == 0 ? p.d : p.dv;
@@ -261,8 +261,7 @@ struct TileLoop {
         for (int64_t c = 0; c < nc; ++c) {
             const int64_t at = k_row_offset(p, it.b, c0 + c, bs, rs) + it.kv_head * hs;
             const float scale = sc ? sc[k_row_offset(p, it.b, c0 + c, sbs, srs) + it.kv_head * shs] : 1.f;
-            if (st == DType::bf16) dequantize_row(reinterpret_cast<uint16_t*>(stage) + c * n, codes, at, n, ds, ct, scale);
-            else dequantize_row(stage + c * n, codes, at, n, ds, ct, scale);
+            dequantize_row(stage + c * n, codes, at, n, ds, ct, scale);
         }
         return staged_params<kWhich>(p, stage);
     }
@@ -270,10 +269,9 @@ struct TileLoop {
     // it whether the policy packs such a tile (shared) or reads it in place (private to the item).
     template <int kWhich>
     static Params staged_params(const Params& p, const void* stage) {
-        const DType st = DType(p.dtype) == DType::bf16 ? DType::bf16 : DType::f32;
         const int64_t n = kWhich == 0 ? p.d : p.dv;
         Params sp = p;
-        sp.dtype = int(st);
+        sp.dtype = int(DType::f32);
         sp.kv_dtype = -1;
         sp.block_table = nullptr;
         sp.cu_seqlens_k = nullptr;
@@ -285,17 +283,14 @@ struct TileLoop {
         return sp;
     }
 
-    static void put(float* o, float x) { *o = x; }
-    static void put(uint16_t* o, float x) { *o = f32_to_bf16(x); }
-    template <class Out>
-    static void dequantize_row(Out* out, const void* codes, int64_t at, int64_t n, int64_t ds, DType ct, float scale) {
+    static void dequantize_row(float* out, const void* codes, int64_t at, int64_t n, int64_t ds, DType ct, float scale) {
         if (ct == DType::i8) {
             const int8_t* c = static_cast<const int8_t*>(codes) + at;
-            for (int64_t j = 0; j < n; ++j) put(out + j, float(c[j * ds]) * scale);
+            for (int64_t j = 0; j < n; ++j) out[j] = float(c[j * ds]) * scale;
         } else {
             const uint8_t* c = static_cast<const uint8_t*>(codes) + at;
             const float* value = f8e4m3_values();
-            for (int64_t j = 0; j < n; ++j) put(out + j, value[c[j * ds]] * scale);
+            for (int64_t j = 0; j < n; ++j) out[j] = value[c[j * ds]] * scale;
         }
     }
 
