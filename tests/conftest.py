@@ -86,10 +86,8 @@ _BLAS_ONE_THREAD = threadpoolctl.threadpool_limits(1, user_api="blas")
 #   bfloat16: output rounded to bf16 (half-ulp 2^-9 ~ 2e-3 relative; measured 8e-3 at |out| ~ 2)
 #             and P / pre-scaled Q may be rounded to bf16 for vdpbf16ps / AMX (~2^-9 each): 2e-2.
 # Quantized KV caches (int8 / float8_e4m3fn codes x float32 scales) use the row of q's dtype,
-# against the float64 reference on the dequantized cache (code * scale). The float32 decode and
-# tile loops dequantize exactly (a code times a float32 scale, rounded once to float32). The
-# AVX512-BF16 decode of bf16 queries multiplies codes (exact in bf16) by the bf16 query in bf16
-# pairs, scales in float32, and rounds P x v_scale to bf16 (2^-9 relative, the bf16 kernels' P).
+# against the float64 reference on the dequantized cache (code * scale): every kernel dequantizes
+# exactly (a code times a float32 scale, rounded once to float32) and multiplies in float32.
 # The LSE is float32 in every dtype but inherits the score error of a kernel that rounds
 # pre-scaled Q to bf16, hence the same table. Because these bounds would hide one dropped key
 # among a thousand, test_forward also has precision-free probes (TOL_ZERO_Q_LSE, visibility map).

@@ -17,7 +17,7 @@
 #include <cstring>
 
 #include "common/gemm_bf16.h"
-#include "common/gemm_decode_dot.h"
+#include "common/gemm_decode.h"
 #include "common/gemm_f32.h"
 #include "common/probe.h"
 #include "common/routes.h"

@@ -2,7 +2,7 @@
 // (vector traits and blocking in common/vec_avx512.h). Routes: the AVX-512 decode route (<= 16
 // rows per kv head, gemm_decode.h), then the float32 tile loop for everything (bf16/fp16 inputs
 // are converted to float32 while packing). Built with the flags of its catalogue.def row.
-#include "common/gemm_decode_dot.h"
+#include "common/gemm_decode.h"
 #include "common/gemm_f32.h"
 #include "common/probe.h"
 #include "common/routes.h"

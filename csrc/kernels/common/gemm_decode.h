@@ -339,5 +339,10 @@ struct DecodeGemm {
     }
 };
 
+// The decode route of the AVX-512 families (routes.h).
+using Avx512DecodeRoute = DecodeRoute<TileLoop<V512, DecodeGemm<F32Elem>>, TileLoop<V512, DecodeGemm<F16Elem>>,
+                                      TileLoop<V512, DecodeGemm<Bf16Elem>>, TileLoop<V512, DecodeGemm<I8Elem>>,
+                                      TileLoop<V512, DecodeGemm<F8Elem>>>;
+
 }  // namespace
 }  // namespace fa2cpu
