@@ -38,6 +38,13 @@ How this maps onto fa2cpu
   in place at position ``lens[b]`` and attends over ``[0, lens[b] + 1)``; split-KV (flash-decoding)
   is picked automatically.
 * GQA: Hq query heads share Hk K/V heads (default 8 and 2); the cache stores only the Hk heads.
+* ``--kv-dtype int8`` / ``fp8``: a quantized KV cache, as llama.cpp and vLLM offer: the block pools
+  hold int8 / float8_e4m3fn codes and ``k_scale[l]``, ``v_scale[l]`` ``(num_blocks, block_size, Hk)``
+  float32 scales, one per token and head (the cached value is ``code * scale``). Decode passes them
+  as ``k_scale=``/``v_scale=``: the append quantizes the new K/V in place (``scale = max|x| / 127``
+  or ``/ 448``) and the kernels dequantize in registers, reading half the bytes of a bf16 cache.
+  Prefill attends on the prompt's unquantized K/V (as servers do) and stores them quantized by
+  the same rule (:func:`quantize`).
 
 The model is a toy: random embeddings, ``--layers`` pre-norm attention blocks with random q/k/v/o
 projections and rotary position embeddings, a random unembedding and greedy argmax over a small
@@ -47,9 +54,11 @@ produces is meaningless: the point is the attention calls and the cache manageme
 
 ``--check`` verifies the first ``--check-steps`` prefill batches and decode steps (every layer):
 the varlen prefill against the float64 oracle ``fa2cpu._reference.varlen_ref``, the paged decode
-against ``fa2cpu._reference.kvcache_ref`` (float64, on copies of the cache) and against
-``flash_attention_varlen`` on the K/V gathered contiguously out of the blocks, and that the K/V
-rows landed in the right cache slots. It prints the max errors and exits with status 1 on failure.
+against ``fa2cpu._reference.kvcache_ref`` (float64, on copies of the cache; of the dequantized
+cache, code * scale, with a quantized one) and against ``flash_attention_varlen`` on the K/V
+gathered contiguously out of the blocks (dequantized), and that the K/V rows landed in the right
+cache slots (quantized: the exact codes and scales of :func:`quantize`). It prints the max errors
+and exits with status 1 on failure.
 
 Usage::
 
@@ -57,6 +66,7 @@ Usage::
     python examples/serve_loop.py --check          # + correctness checks
     python examples/serve_loop.py --dtype fp32 --requests 64 --max-new-tokens 128 -v   # or float32
     python examples/serve_loop.py --num-blocks 40  # a small KV pool: watch preemptions happen
+    python examples/serve_loop.py --kv-dtype int8 --check   # an int8 KV cache (or fp8)
 """
 import argparse
 import collections
@@ -65,6 +75,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 import threadpoolctl
 
@@ -75,7 +86,35 @@ from fa2cpu.bench import DTYPES, dtype_arg, positive_int, usable_cpus
 
 # Kernel vs float64 oracle on the same rounded inputs, outputs of magnitude ~1 (the test suite's
 # table): float32 accumulation everywhere; the output (and P for bf16 kernels) rounded to dtype.
+# A quantized cache is compared on its dequantized values (code * scale): the same table (the
+# kernels dequantize in float32, or into bf16 for bf16 tiles, within the bf16 row).
 TOL = {"fp32": (2e-5, 2e-5), "fp16": (4e-3, 4e-3), "bf16": (2e-2, 2e-2)}  # (atol, rtol)
+
+# --kv-dtype: codes of a quantized KV cache and the largest code magnitude (scale = max|x| / limit)
+KV_CODES = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
+
+
+def quantize(x, code_dtype):
+    """K or V rows ``(..., D)`` -> (codes, float32 scales ``(...)``) by the rule of
+    ``flash_attention_with_kvcache``'s quantizing append (API.md), per token and head in float32:
+    ``scale = max|x| / limit``, codes ``x / scale`` rounded to nearest (even), a row of zeros gets
+    scale 0 and codes 0."""
+    limit = np.float32(KV_CODES["int8" if code_dtype == np.int8 else "fp8"][1])
+    x = np.asarray(x, np.float32)
+    scale = np.abs(x).max(axis=-1) / limit
+    y = x / np.where(scale > 0, scale, np.float32(1))[..., None]
+    if code_dtype == np.int8:
+        y = np.rint(y)
+    return np.clip(y, -limit, limit).astype(code_dtype), scale
+
+
+def dequantize(codes, scale, dtype=np.float64):
+    """code * scale (scale None: the cache holds the values themselves), in ``dtype``."""
+    if scale is None:
+        return codes.astype(dtype)
+    if dtype == np.float64:
+        return codes.astype(np.float64) * scale.astype(np.float64)[..., None]
+    return (codes.astype(np.float32) * scale[..., None]).astype(dtype)
 
 
 # ---- KV block allocator ---------------------------------------------------------------------
@@ -196,15 +235,21 @@ class Engine:
     """Continuous-batching engine: scheduler, paged KV cache, prefill and decode steps."""
 
     def __init__(self, model, requests, *, dtype, block_size, num_blocks, max_batch,
-                 max_prefill_tokens, num_threads=None, check_steps=0, verbose=False):
+                 max_prefill_tokens, num_threads=None, check_steps=0, verbose=False, kv_dtype=None):
         self.model, self.dtype, self.bs = model, np.dtype(dtype), block_size
         self.dtype_name = next(n for n, d in DTYPES.items() if d == self.dtype)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.nt, self.verbose = num_threads, verbose
         self.allocator = BlockAllocator(num_blocks)
         shape = (model.layers, num_blocks, block_size, model.hk, model.d)
-        self.k_cache = np.zeros(shape, self.dtype)   # k_cache[l] is layer l's block pool
-        self.v_cache = np.zeros(shape, self.dtype)
+        # kv_dtype None: the cache holds K/V in dtype; "int8" / "fp8": codes + float32 scales
+        self.kv_dtype = self.dtype if kv_dtype is None else KV_CODES[kv_dtype][0]
+        self.quantized = kv_dtype is not None
+        self.k_cache = np.zeros(shape, self.kv_dtype)   # k_cache[l] is layer l's block pool
+        self.v_cache = np.zeros(shape, self.kv_dtype)
+        # k_scale[l] (num_blocks, block_size, Hk): one scale per cached token and head, or None
+        self.k_scale = np.zeros(shape[:-1], np.float32) if self.quantized else None
+        self.v_scale = np.zeros(shape[:-1], np.float32) if self.quantized else None
         self.watermark = max(1, num_blocks // 100)    # blocks kept free at admission (fewer preemptions)
         longest = max((r.prompt_len + r.max_new_tokens for r in requests), default=0)
         if math.ceil(longest / block_size) > num_blocks:
@@ -222,6 +267,33 @@ class Engine:
                       "decode_checked": 0}
 
     # ---- bookkeeping ------------------------------------------------------------------------
+    def _scales(self, layer):
+        """(k_scale, v_scale) of a layer's block pool; (None, None) for a float cache."""
+        return (None, None) if not self.quantized else (self.k_scale[layer], self.v_scale[layer])
+
+    def _store(self, layer, blk, off, k, v):
+        """Write K/V rows (T, Hk, D) into the slots (blk[t], off[t]) of layer's pool (quantized
+        by :func:`quantize` into a quantized cache, with their scales)."""
+        if not self.quantized:
+            self.k_cache[layer][blk, off] = k
+            self.v_cache[layer][blk, off] = v
+            return
+        for cache, scales, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
+            cache[layer][blk, off], scales[layer][blk, off] = quantize(x, self.kv_dtype)
+
+    def _slots_hold(self, layer, blk, off, k, v):
+        """True when the slots (blk[t], off[t]) hold exactly K/V rows (T, Hk, D) (quantized: the
+        codes and scales :func:`quantize` gives them)."""
+        ok = True
+        for cache, scales, x in ((self.k_cache, self.k_scale, k), (self.v_cache, self.v_scale, v)):
+            if not self.quantized:
+                ok &= np.array_equal(cache[layer][blk, off].astype(np.float32), x.astype(np.float32))
+                continue
+            codes, scale = quantize(x, self.kv_dtype)
+            ok &= (np.array_equal(cache[layer][blk, off].view(np.uint8), codes.view(np.uint8))
+                   and np.array_equal(scales[layer][blk, off], scale))
+        return bool(ok)
+
     def _emit(self, r, token, now):
         r.tokens.append(int(token))
         r.num_generated += 1
@@ -322,8 +394,7 @@ class Engine:
                                               max_seqlen_k=int(lens.max()), causal=True,
                                               num_threads=self.nt)
             self.times["prefill_attn"] += time.perf_counter() - ta
-            self.k_cache[layer][blk, off] = k          # write the prompt K/V into the paged cache
-            self.v_cache[layer][blk, off] = v
+            self._store(layer, blk, off, k, v)         # write the prompt K/V into the paged cache
             if check:
                 tc = time.perf_counter()
                 self._check_prefill(layer, q, k, v, o, cu, blk, off)
@@ -374,16 +445,23 @@ class Engine:
         for layer in range(m.layers):
             q, k, v = m.qkv(layer, x, seqlens, self.dtype)         # new token at position seqlen
             q, k, v = q[:, None], k[:, None], v[:, None]           # (B, 1, H, D)
+            k_scale, v_scale = self._scales(layer)
             if check:   # float64 oracle on copies of the cache, before the in-place append
                 tc = time.perf_counter()
-                ref, _ = _reference.kvcache_ref(q, self.k_cache[layer], self.v_cache[layer], k, v,
-                                                cache_seqlens=seqlens, block_table=bt, causal=True)
+                if self.quantized:  # on the dequantized cache, appending what the append stores
+                    ref, _ = _reference.kvcache_ref(
+                        q, dequantize(self.k_cache[layer], k_scale), dequantize(self.v_cache[layer], v_scale),
+                        dequantize(*quantize(k, self.kv_dtype)), dequantize(*quantize(v, self.kv_dtype)),
+                        cache_seqlens=seqlens, block_table=bt, causal=True)
+                else:
+                    ref, _ = _reference.kvcache_ref(q, self.k_cache[layer], self.v_cache[layer], k, v,
+                                                    cache_seqlens=seqlens, block_table=bt, causal=True)
                 t0 += self._check_time(tc)
             ta = time.perf_counter()
             o = fa2cpu.flash_attention_with_kvcache(q, self.k_cache[layer], self.v_cache[layer],
                                                     k=k, v=v, cache_seqlens=seqlens,
                                                     block_table=bt, causal=True,
-                                                    num_threads=self.nt)
+                                                    num_threads=self.nt, k_scale=k_scale, v_scale=v_scale)
             self.times["decode_attn"] += time.perf_counter() - ta
             if check:
                 tc = time.perf_counter()
@@ -420,9 +498,7 @@ class Engine:
     def _check_prefill(self, layer, q, k, v, o, cu, blk, off):
         ref, _ = _reference.varlen_ref(q, k, v, cu, cu, causal=True)
         self._compare("prefill_max_err", "prefill_err_over_tol", o, ref)
-        ok = (np.array_equal(self.k_cache[layer][blk, off].astype(np.float32), k.astype(np.float32))
-              and np.array_equal(self.v_cache[layer][blk, off].astype(np.float32), v.astype(np.float32)))
-        self.check["cache_slots_ok"] &= bool(ok)
+        self.check["cache_slots_ok"] &= self._slots_hold(layer, blk, off, k, v)
         self.check["prefill_checked"] += 1
 
     def _check_decode(self, layer, q, k, v, o, ref, seqlens, bt):
@@ -430,10 +506,7 @@ class Engine:
         # the appended rows must sit at position seqlen of each request
         rows = np.arange(len(seqlens))
         blk, off = bt[rows, seqlens // self.bs], seqlens % self.bs
-        kc, vc = self.k_cache[layer], self.v_cache[layer]
-        ok = (np.array_equal(kc[blk, off].astype(np.float32), k[:, 0].astype(np.float32))
-              and np.array_equal(vc[blk, off].astype(np.float32), v[:, 0].astype(np.float32)))
-        self.check["cache_slots_ok"] &= bool(ok)
+        self.check["cache_slots_ok"] &= self._slots_hold(layer, blk, off, k[:, 0], v[:, 0])
         # the same attention through the contiguous path: gather each request's K/V out of its
         # blocks, pack them, and run varlen with one query row per sequence
         total = seqlens.astype(np.int64) + 1
@@ -442,8 +515,14 @@ class Engine:
         gb, go = bt[which, pos // self.bs], pos % self.bs
         cu_k = np.concatenate([[0], np.cumsum(total)]).astype(np.int32)
         cu_q = np.arange(len(total) + 1, dtype=np.int32)
-        og = fa2cpu.flash_attention_varlen(q[:, 0], kc[gb, go], vc[gb, go], cu_q, cu_k, causal=True,
-                                           num_threads=self.nt)
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        k_scale, v_scale = self._scales(layer)
+        if self.quantized:  # varlen takes float K/V: code * scale in float32, rounded to dtype
+            kg = dequantize(kc[gb, go], k_scale[gb, go], self.dtype)
+            vg = dequantize(vc[gb, go], v_scale[gb, go], self.dtype)
+        else:
+            kg, vg = kc[gb, go], vc[gb, go]
+        og = fa2cpu.flash_attention_varlen(q[:, 0], kg, vg, cu_q, cu_k, causal=True, num_threads=self.nt)
         self._compare("decode_vs_gathered_max_err", "decode_gathered_err_over_tol", o[:, 0], og)
         self.check["decode_checked"] += 1
 
@@ -499,6 +578,9 @@ def parse_args(argv=None):
                    help="mean new requests per engine step (Poisson); 0 = all at once")
     p.add_argument("--dtype", type=dtype_arg, default="bf16",
                    help="dtype of q/k/v and of the KV cache: fp32, bf16, fp16 (or float32, bfloat16, float16)")
+    p.add_argument("--kv-dtype", choices=["same", *KV_CODES], default="same",
+                   help="what the KV cache stores: same = --dtype; int8 / fp8 = int8 / float8_e4m3fn codes "
+                        "with float32 scales per token and head (a quantized cache)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, prompts and arrivals")
     p.add_argument("--check", action="store_true",
                    help="verify the attention outputs and cache writes of the first steps")
@@ -530,13 +612,16 @@ def main(argv=None):
         eng = Engine(model, requests, dtype=DTYPES[a.dtype], block_size=a.block_size,
                      num_blocks=a.num_blocks, max_batch=a.max_batch,
                      max_prefill_tokens=a.max_prefill_tokens, num_threads=a.threads,
-                     check_steps=a.check_steps if a.check else 0, verbose=a.verbose)
+                     check_steps=a.check_steps if a.check else 0, verbose=a.verbose,
+                     kv_dtype=None if a.kv_dtype == "same" else a.kv_dtype)
     except ValueError as e:
         raise SystemExit(f"serve_loop.py: error: {e}") from None
     threads = min(a.threads or fa2cpu._core.max_threads(), usable_cpus())   # fa2cpu caps it too
     print(f"fa2cpu {fa2cpu.__version__} serve loop: {a.requests} requests, {a.layers} layer{'s' * (a.layers > 1)}, "
           f"Hq={a.heads_q} Hk={a.heads_kv} D={a.head_dim}, {a.dtype}, KV pool {a.num_blocks} blocks "
-          f"x {a.block_size} tokens, max batch {a.max_batch}, kernels {fa2cpu.get_isa()}, "
+          f"x {a.block_size} tokens"
+          + ("" if a.kv_dtype == "same" else f" of {a.kv_dtype} codes + float32 scales")
+          + f", max batch {a.max_batch}, kernels {fa2cpu.get_isa()}, "
           f"{threads} threads")
 
     with threadpoolctl.threadpool_limits(a.blas_threads, user_api="blas"):
@@ -555,7 +640,7 @@ def main(argv=None):
     rate = lambda n, t: n / t if t > 0 else 0.0   # noqa: E731
     ttft = [r.t_first_token - r.t_arrival for r in eng.finished]
     summary = {
-        "requests": a.requests, "completed": len(eng.finished), "unfinished": unfinished,
+        "requests": a.requests, "completed": len(eng.finished), "unfinished": unfinished, "kv_dtype": a.kv_dtype,
         "tokens_generated": st["generated"], **{k: st[k] for k in (
             "steps prefill_first_tokens prefill_tokens prefill_batches decode_tokens decode_steps "
             "preemptions peak_batch").split()},

@@ -48,6 +48,7 @@ if os.environ.get("FA2CPU_PARALLEL", "").strip().lower() != "pool":
     _use_torch_threads()
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+_F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the kernels' dtypes
 _ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)                 # types the direct path may convert
@@ -57,7 +58,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)                 # types the direct p
 # Tensor <-> NumPy, without copies
 # ---------------------------------------------------------------------------------------------
 def _np(name, t):
-    """NumPy view of a CPU tensor: same memory, same strides (bfloat16 -> ml_dtypes.bfloat16)."""
+    """NumPy view of a CPU tensor: same memory, same strides (bfloat16 -> ml_dtypes.bfloat16,
+    float8_e4m3fn -> ml_dtypes.float8_e4m3fn, both through an integer view of the same width)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
@@ -66,7 +68,13 @@ def _np(name, t):
         t = t.detach()
     if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(_BF16)
-    return t.numpy()
+    if t.dtype is torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(_F8)
+    try:
+        return t.numpy()
+    except TypeError:  # a dtype NumPy cannot view (other float8 kinds, complex32, ...)
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected torch.float32, float16 or "
+                        f"bfloat16 (a KV cache also torch.int8 or float8_e4m3fn codes)") from None
 
 
 def _np_opt(name, t):
@@ -77,6 +85,8 @@ def _tensor(a):
     """Tensor sharing the memory of the NumPy array ``a`` (bfloat16 through int16)."""
     if a.dtype is _BF16 or a.dtype == _BF16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if a.dtype == _F8:
+        return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
     return torch.from_numpy(a)
 
 
@@ -143,7 +153,10 @@ class _Memory:
 
 
 _TYPESTR = {torch.float32: np.dtype(np.float32).str, torch.float16: np.dtype(np.float16).str,
-            torch.bfloat16: np.dtype(np.int16).str}   # bfloat16: int16 items, re-typed below
+            torch.bfloat16: np.dtype(np.int16).str,       # bfloat16: int16 items, re-typed below
+            torch.int8: np.dtype(np.int8).str,            # quantized caches' codes
+            torch.float8_e4m3fn: np.dtype(np.uint8).str}  # float8: uint8 items, re-typed below
+_RETYPE = {torch.bfloat16: _BF16, torch.float8_e4m3fn: _F8}
 
 # id(cache tensor) -> [weakref, data_ptr, shape, stride, dtype, NumPy view or None]. KV caches
 # are long-lived: a tensor seen a second time gets a view made once (a bfloat16 view costs ~3 us
@@ -156,8 +169,8 @@ _CACHE_VIEWS = {}
 
 
 def _cache_view(name, t):
-    """_np for a KV cache tensor: memoised (see _CACHE_VIEWS) for a plain CPU tensor of a kernel
-    dtype, else _np's view and checks."""
+    """_np for a KV cache tensor (or a quantized cache's scales): memoised (see _CACHE_VIEWS) for
+    a plain CPU tensor of a kernel or code dtype (_TYPESTR), else _np's view and checks."""
     if type(t) not in _PLAIN or t.dtype not in _TYPESTR or not t.is_cpu:
         return _np(name, t)
     key = id(t)
@@ -178,7 +191,7 @@ def _cache_view(name, t):
                                   "strides": tuple(step * item_size for step in stride),
                                   "typestr": _TYPESTR[dtype], "version": 3}
     view = np.asarray(memory)
-    if dtype is torch.bfloat16:
-        view = view.view(_BF16)
+    if dtype in _RETYPE:
+        view = view.view(_RETYPE[dtype])
     entry[1:] = pointer, shape, stride, dtype, view
     return view

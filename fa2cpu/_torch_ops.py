@@ -47,10 +47,13 @@ def _varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
-                  softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks=None):
+                  softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks=None,
+                  k_scale=None, v_scale=None):
     """flash_attention_with_kvcache on tensors -> (out, lse or None): NumPy views (memoised for
-    the long-lived caches), then the NumPy API's one validation, append and launch. A new out is
-    allocated by NumPy and wrapped (half the cost of torch.empty on the decode path)."""
+    the long-lived caches and their scales), then the NumPy API's one validation, append (the
+    quantizing one for an int8 / float8_e4m3fn cache, writing codes and scales through the
+    views) and launch. A new out is allocated by NumPy and wrapped (half the cost of
+    torch.empty on the decode path)."""
     if type(cache_seqlens) is not int and isinstance(cache_seqlens, torch.Tensor):  # (an int: the decode case)
         cache_seqlens = _np("cache_seqlens", cache_seqlens)
     out_view, lse = _api._with_kvcache(
@@ -58,9 +61,11 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
         None if k is None else _np("k", k), None if v is None else _np("v", v), cache_seqlens,
         None if block_table is None else _np("block_table", block_table), causal, scale, window, softcap,
         _np_opt("alibi_slopes", alibi_slopes), return_lse, num_splits, num_threads,
-        None if out is None else _np("out", out), layout, _np_opt("sinks", sinks))
-    if k is not None:
-        torch._C._increment_version((k_cache, v_cache))
+        None if out is None else _np("out", out), layout, _np_opt("sinks", sinks),
+        None if k_scale is None else _cache_view("k_scale", k_scale),
+        None if v_scale is None else _cache_view("v_scale", v_scale))
+    if k is not None:  # appended (every check passed): caches and, with them, their scales
+        torch._C._increment_version(tuple(t for t in (k_cache, v_cache, k_scale, v_scale) if t is not None))
     if out is None:
         out = _tensor(out_view)
     else:
@@ -170,11 +175,13 @@ _SCHEMAS = {
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse,"
         " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int? max_seqlen_q, int? max_seqlen_k,"
         f" {_OPTIONS}, int? num_threads, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)",
-    # cache_seqlens / cache_seqlens_int: the tensor and int forms of the public argument.
+    # cache_seqlens / cache_seqlens_int: the tensor and int forms of the public argument;
+    # k_scale / v_scale: a quantized cache's scales, written (like the caches) when k/v are appended.
     "flash_attention_with_kvcache":
         "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens,"
         f" int? cache_seqlens_int, Tensor? block_table, {_OPTIONS}, bool return_lse, int num_splits,"
-        " int? num_threads, Tensor(c!) out, str layout, Tensor? sinks=None) -> Tensor lse",
+        " int? num_threads, Tensor(c!) out, str layout, Tensor? sinks=None, Tensor(d!)? k_scale=None,"
+        " Tensor(e!)? v_scale=None) -> Tensor lse",
 }
 
 
@@ -324,17 +331,17 @@ torch.library.register_autograd("fa2cpu::flash_attention_varlen",
 # flash_attention_with_kvcache -----------------------------------------------------------------
 def _cpu_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table, causal,
                  scale, window, softcap, alibi_slopes, return_lse, num_splits, num_threads, out,
-                 layout, sinks=None):
+                 layout, sinks=None, k_scale=None, v_scale=None):
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     _, lse = _kvcache_impl(q, k_cache, v_cache, k, v, seqlens, block_table, causal, scale,
                            tuple(window), softcap, alibi_slopes, return_lse, num_splits,
-                           num_threads, out, layout, sinks)
+                           num_threads, out, layout, sinks, k_scale, v_scale)
     return lse if return_lse else _no_lse(q)
 
 
 def _fake_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, block_table, causal,
                   scale, window, softcap, alibi_slopes, return_lse, num_splits, num_threads, out,
-                  layout, sinks=None):
+                  layout, sinks=None, k_scale=None, v_scale=None):
     if not return_lse:
         return _no_lse(q)
     return q.new_empty(_lse_shape(q, "bshd" if layout == "bshd" else "bhsd"), dtype=torch.float32)

@@ -8,7 +8,7 @@
 ``fa2cpu::flash_attention_out``       forward writing a caller's ``out`` (mutates it) -> lse
 ``fa2cpu::flash_attention_varlen``    functional packed forward -> (out, lse); autograd in q, k, v
 ``fa2cpu::flash_attention_varlen_out``  packed forward writing ``out`` -> lse
-``fa2cpu::flash_attention_with_kvcache``  appends into k_cache/v_cache and writes ``out`` -> lse
+``fa2cpu::flash_attention_with_kvcache``  appends into k_cache/v_cache (and scales) and writes ``out`` -> lse
 ``fa2cpu::flash_attention_backward``  (dq, dk, dv) of ``flash_attention``
 ``fa2cpu::flash_attention_varlen_backward``  (dq, dk, dv) of ``flash_attention_varlen``
 ====================================  ===========================================================
@@ -131,7 +131,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                                  block_table=None, causal=False, scale=None, window=(-1, -1),
                                  softcap=None, alibi_slopes=None, return_lse=False,
-                                 num_splits=0, num_threads=None, out=None, layout="bshd", sinks=None):
+                                 num_splits=0, num_threads=None, out=None, layout="bshd", sinks=None,
+                                 k_scale=None, v_scale=None):
     """:func:`fa2cpu.flash_attention_with_kvcache` on tensors: decode / chunked prefill.
 
     ``layout="bshd"`` (flash-attn order, the default): q ``(B, Nq, Hq, D)``; contiguous cache
@@ -144,27 +145,38 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     version counters are bumped) before attention over ``[0, cache_seqlens[b] + Nnew)``; nothing
     is written if any check fails. Same semantics as the NumPy function; not differentiable.
 
+    **Quantized cache**: ``k_cache`` / ``v_cache`` may be ``torch.int8`` or
+    ``torch.float8_e4m3fn`` tensors of codes (q, k, v stay float32/float16/bfloat16), with
+    float32 ``k_scale`` / ``v_scale`` tensors of the cache's shape without the last axis (one
+    scale per stored token and head; the cached value is ``code * scale``; int8 requires them,
+    float8 accepts None = scale 1). Read in place, zero-copy (a float8 tensor through a uint8
+    view re-typed as ``ml_dtypes.float8_e4m3fn``). Appended k/v are quantized into the cache
+    tensors and their scales written into ``k_scale`` / ``v_scale``, in place, by the NumPy
+    function's rule (``scale = max|x| / 127`` for int8, ``/ 448`` for float8, per token and head);
+    the operator's schema declares the scales mutated, like the caches.
+
     In eager mode the call skips the dispatcher: NumPy views of the tensors (memoised for the
     caches) go through the NumPy API's checks, append and launch. Returns ``out`` or
     ``(out, lse)`` with lse float32 ``(B, Hq, Nq)``.
     """
     if _direct(q, k_cache, v_cache, differentiable=False):
         o, lse = _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
-                               softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks)
+                               softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks,
+                               k_scale, v_scale)
         return (o, lse) if return_lse else o
     if isinstance(cache_seqlens, torch.Tensor) or cache_seqlens is None:
         seqlens, seqlens_int = cache_seqlens, None
     else:
         seqlens, seqlens_int = None, _int("cache_seqlens", cache_seqlens)
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
-                   alibi_slopes=alibi_slopes, out=out, sinks=sinks)
+                   alibi_slopes=alibi_slopes, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     if out is None:
         out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])
     lse = torch.ops.fa2cpu.flash_attention_with_kvcache(
         q, k_cache, v_cache, k, v, seqlens, seqlens_int, block_table, _bool("causal", causal),
         _float_arg("scale", scale), _window_arg(window), _float_arg("softcap", softcap),
         alibi_slopes, bool(return_lse), _int("num_splits", num_splits, 0),
-        _int_arg("num_threads", num_threads, 1), out, layout, sinks)
+        _int_arg("num_threads", num_threads, 1), out, layout, sinks, k_scale, v_scale)
     return (out, lse) if return_lse else out
 
 

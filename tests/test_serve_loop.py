@@ -6,6 +6,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -56,6 +57,38 @@ def test_serve_loop_check(serve_loop, dtype):
     assert max(c["prefill_max_err"], c["decode_max_err"], c["decode_vs_gathered_max_err"]) < bound
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_serve_loop_quantized_cache(serve_loop, dtype, kv_dtype):
+    """--kv-dtype int8 / fp8: block pools of codes with float32 scales. --check compares the paged
+    decode with the float64 oracle on the dequantized cache (code * scale) and with varlen on the
+    gathered dequantized K/V (the test suite's tolerance row of q's dtype), and the cache slots with
+    the exact codes and scales of API.md's rule (prefill stores them, decode's append writes them)."""
+    s, elapsed = _run(serve_loop, TINY + ["--dtype", dtype, "--kv-dtype", kv_dtype, "--check", "--check-steps", "3"])
+    assert elapsed < 20
+    _assert_clean_finish(s, 6)
+    c = s["check"]
+    assert s["kv_dtype"] == kv_dtype
+    assert c["prefill_checked"] >= 1 and c["decode_checked"] >= 3
+    assert c["cache_slots_ok"]
+    assert s["check_ok"], c
+    assert c["decode_err_over_tol"] <= 1 and c["decode_gathered_err_over_tol"] <= 1
+
+
+def test_quantized_cache_codes_and_scales(serve_loop):
+    """The example's quantize() is API.md's rule, and an int8 engine's pools are codes + scales."""
+    x = np.array([[[0.0, 0.0], [1.0, -0.5]]], np.float32)
+    codes, scales = serve_loop.quantize(x, np.dtype(np.int8))
+    assert codes.dtype == np.int8 and scales.dtype == np.float32
+    assert codes.tolist() == [[[0, 0], [127, -64]]] and scales.tolist() == [[0.0, np.float32(1.0) / np.float32(127)]]
+    a = serve_loop.parse_args(["--kv-dtype", "int8"])
+    model = serve_loop.ToyModel(np.random.default_rng(0), vocab=8, layers=1, hq=2, hk=1, head_dim=4)
+    eng = serve_loop.Engine(model, [], dtype=np.float32, block_size=4, num_blocks=3, max_batch=2,
+                            max_prefill_tokens=16, kv_dtype=a.kv_dtype)
+    assert eng.k_cache.dtype == np.int8 and eng.k_scale.shape == (1, 3, 4, 1) and eng.v_scale.dtype == np.float32
+    assert serve_loop.parse_args([]).kv_dtype == "same"
+
+
 def test_serve_loop_default_model(serve_loop):
     """The default model shape (2 layers, GQA 8/2, D=64, bf16, 16-token blocks) with fewer requests."""
     s, elapsed = _run(serve_loop, ["--requests", "12", "--max-new-tokens", "24", "--max-prompt", "100",
@@ -72,12 +105,13 @@ def test_blocks_returned_under_preemption(serve_loop):
     argv = ["--requests", "8", "--max-new-tokens", "24", "--min-prompt", "8", "--max-prompt", "24",
             "--layers", "1", "--vocab", "64", "--arrival-rate", "0", "--block-size", "4",
             "--num-blocks", "16", "--dtype", "float32", "--seed", "1", "--check", "--check-steps", "40"]
-    s, elapsed = _run(serve_loop, argv)
-    assert elapsed < 20
-    _assert_clean_finish(s, 8)
-    assert s["preemptions"] > 0, "the tight pool should have forced preemptions"
-    assert s["peak_blocks_used"] == 16
-    assert s["check_ok"], s["check"]
+    for kv_dtype in ("same", "int8"):   # int8: preempted requests are re-prefilled into codes + scales
+        s, elapsed = _run(serve_loop, argv + ["--kv-dtype", kv_dtype])
+        assert elapsed < 20
+        _assert_clean_finish(s, 8)
+        assert s["preemptions"] > 0, "the tight pool should have forced preemptions"
+        assert s["peak_blocks_used"] == 16
+        assert s["check_ok"], s["check"]
 
 
 def test_steps_limit_releases_blocks(serve_loop):
@@ -125,6 +159,7 @@ BAD_ARGUMENTS = {
     "--dtype fp64": "unknown dtype 'fp64'",
     "--threads 0": "expected a positive integer",
     "--arrival-rate -1": "must be >= 0",
+    "--kv-dtype int4": "invalid choice: 'int4'",
 }
 
 

@@ -50,6 +50,7 @@ def test_registered_operators():
         assert hasattr(torch.ops.fa2cpu, name), name
     schema = str(torch.ops.fa2cpu.flash_attention_with_kvcache.default._schema)
     assert "Tensor(a!) k_cache" in schema and "Tensor(b!) v_cache" in schema and "Tensor(c!) out" in schema
+    assert "Tensor(d!)? k_scale=None" in schema and "Tensor(e!)? v_scale=None" in schema
 
 
 def test_errors_name_the_argument(rng):
@@ -262,6 +263,118 @@ def test_kvcache_errors_leave_the_cache_untouched(rng, paged):
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
 
 
+# ------------------------------------------------------------------------------ quantized kvcache
+
+QUANT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def _quant_cache(rng, code, paged, layout, with_scales=True, **kw):
+    """Random caches of codes (torch tensors, `code`'s dtype) with float32 scales (or None), the
+    block table, and NumPy copies of all four to run the NumPy API on."""
+    kc, vc, bt = _cache(rng, "float32", paged, layout, **kw)
+    kc, vc = (x.mul(20).clamp(-127, 127).round().to(QUANT[code]) for x in (kc, vc))
+    ks = vs = None
+    if with_scales:
+        ks, vs = (torch.from_numpy(rng.random(x.shape[:-1], dtype=np.float32) / 50) for x in (kc, vc))
+    return kc, vc, ks, vs, bt, [None if x is None else N(x).copy() for x in (kc, vc, ks, vs)]
+
+
+def _bytes(t):
+    return N(t).view(np.uint8) if t.dtype is torch.float8_e4m3fn else N(t)
+
+
+@pytest.mark.parametrize("code,with_scales", [("int8", True), ("fp8", True), ("fp8", False)],
+                         ids=["int8", "fp8", "fp8-unscaled"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_kvcache_quantized_appends_in_place(rng, code, with_scales, paged, layout):
+    """int8 / float8_e4m3fn cache tensors with float32 scale tensors: zero-copy views, the
+    quantizing append writes codes and scales into the tensors exactly as the NumPy API writes
+    its arrays, results equal; the operator (compile/autograd path) does the same."""
+    B, Hq, Hk, D, Dv, nnew = 3, 4, 2, 16, 8, 2
+    kc, vc, ks, vs, bt, before = _quant_cache(rng, code, paged, layout, with_scales)
+    kc_np, vc_np, ks_np, vs_np = (None if a is None else a.copy() for a in before)
+    hs = (lambda *s: (s[0], s[2], s[1], s[3])) if layout == "bhsd" else (lambda *s: s)
+    q = trand(rng, hs(B, 2, Hq, D), "bfloat16")
+    k, v = trand(rng, hs(B, nnew, Hk, D), "bfloat16"), trand(rng, hs(B, nnew, Hk, Dv), "bfloat16")
+    assert N(kc).ctypes.data == kc.data_ptr()           # zero copy, float8 included
+    ptrs = [t.data_ptr() for t in (kc, vc, ks, vs) if t is not None]
+    versions = [t._version for t in (kc, vc, ks, vs) if t is not None]
+    lens = torch.tensor([0, 17, 38 - nnew], dtype=torch.int32)
+    opts = dict(cache_seqlens=lens, block_table=bt, causal=True, layout=layout)
+    np_opts = {key: (N(val) if isinstance(val, torch.Tensor) else val) for key, val in opts.items()}
+    got, lse = ft.flash_attention_with_kvcache(q, kc, vc, k, v, return_lse=True, k_scale=ks, v_scale=vs, **opts)
+    want, want_lse = fa2cpu.flash_attention_with_kvcache(N(q), kc_np, vc_np, N(k), N(v), return_lse=True,
+                                                         k_scale=ks_np, v_scale=vs_np, **np_opts)
+    same(got, want)
+    same(lse, want_lse)
+    np.testing.assert_array_equal(_bytes(kc), kc_np.view(np.uint8) if code == "fp8" else kc_np)
+    np.testing.assert_array_equal(_bytes(vc), vc_np.view(np.uint8) if code == "fp8" else vc_np)
+    if with_scales:
+        np.testing.assert_array_equal(N(ks), ks_np)
+        np.testing.assert_array_equal(N(vs), vs_np)
+        assert not np.array_equal(N(ks), before[2]) and not np.array_equal(N(vs), before[3])  # written
+    assert [t.data_ptr() for t in (kc, vc, ks, vs) if t is not None] == ptrs
+    assert all(t._version > was for t, was in zip([t for t in (kc, vc, ks, vs) if t is not None], versions))
+    # the operator itself (the path of torch.compile, fake tensors, dispatch modes) on clones of
+    # the state before the call: the same result, codes and scales
+    clones = [None if a is None else ft._tensor(a.copy()) for a in before]
+    out = torch.empty_like(got)
+    lse2 = torch.ops.fa2cpu.flash_attention_with_kvcache(
+        q, clones[0], clones[1], k, v, lens, None, bt, True, None, [-1, -1], None, None, True, 0, None, out,
+        layout, None, clones[2], clones[3])
+    same(out, got)
+    same(lse2, lse)
+    for a, b in zip(clones, (kc, vc, ks, vs)):
+        if a is not None:
+            np.testing.assert_array_equal(_bytes(a), _bytes(b))
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A function mode that changes nothing but sends fa2cpu.torch's calls through the operator."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_quantized_errors_leave_caches_and_scales_untouched(rng, paged):
+    """Errors like the NumPy API's (TypeError/ValueError naming the argument), eager and through
+    the operator; caches and scales byte-identical afterwards."""
+    kc, vc, ks, vs, bt, before = _quant_cache(rng, "int8", paged, "bshd", B=2)
+    q, k, v = trand(rng, (2, 1, 4, 16)), trand(rng, (2, 1, 2, 16)), trand(rng, (2, 1, 2, 8))
+    nan_k = k.clone()
+    nan_k[1, 0, 1, 3] = float("nan")
+    f8 = kc.view(torch.float8_e4m3fn)
+    cases = [
+        (ValueError, "k_scale: an int8 k_cache needs its float32 scales", dict(k_scale=None)),
+        (TypeError, "v_scale: dtype float64", dict(v_scale=vs.double())),
+        (TypeError, "k_scale: expected a torch.Tensor", dict(k_scale=N(ks))),
+        (ValueError, "k_scale: expected shape", dict(k_scale=ks[:, :5])),
+        (ValueError, "k_scale: scales go with a quantized", dict(k_cache=kc.float(), v_cache=vc.float())),
+        (TypeError, "v_cache: dtype float8_e4m3fn does not match k_cache's int8", dict(v_cache=vc.view(f8.dtype))),
+        (TypeError, "k_cache: dtype torch.float8_e5m2 is not supported",
+         dict(k_cache=kc.view(torch.float8_e5m2), v_cache=vc.view(torch.float8_e5m2))),
+        (ValueError, "k: holds inf or NaN", dict(k=nan_k)),
+        (ValueError, "cache_seqlens", dict(cache_seqlens=40)),
+    ]
+    for compiled in (False, True):
+        for error, message, change in cases:
+            args = dict(k_cache=kc, v_cache=vc, k=k, k_scale=ks, v_scale=vs, cache_seqlens=3)
+            args.update(change)
+            call = lambda a: ft.flash_attention_with_kvcache(  # noqa: E731
+                q, a["k_cache"], a["v_cache"], a["k"], v, cache_seqlens=a["cache_seqlens"], block_table=bt,
+                k_scale=a["k_scale"], v_scale=a["v_scale"])
+            with pytest.raises(error, match=message):
+                if compiled:  # the operator's path (what torch.compile and dispatch modes take)
+                    with _PassThrough():
+                        call(args)
+                else:
+                    call(args)
+            for t, was in zip((kc, vc, ks, vs), before):
+                np.testing.assert_array_equal(N(t), was, err_msg=f"{message} changed the cache")
+
+
 # ------------------------------------------------------------------------------ torch.compile
 
 def test_opcheck_every_operator(rng):
@@ -289,6 +402,12 @@ def test_opcheck_every_operator(rng):
             (trand(rng, (2, 1, 4, 16)), kc, vc, trand(rng, (2, 1, 2, 16)), trand(rng, (2, 1, 2, 8)),
              torch.tensor([3, 9], dtype=torch.int32), None, bt, True, None, [-1, -1], None, None, True, 0, None,
              torch.empty(2, 1, 4, 8), "bshd"))
+    # a quantized cache: the scales are mutated too (declared in the schema)
+    kc, vc, ks, vs, bt, _ = _quant_cache(rng, "int8", True, "bshd", B=2)
+    opcheck(torch.ops.fa2cpu.flash_attention_with_kvcache.default,
+            (trand(rng, (2, 1, 4, 16)), kc, vc, trand(rng, (2, 1, 2, 16)), trand(rng, (2, 1, 2, 8)),
+             torch.tensor([3, 9], dtype=torch.int32), None, bt, True, None, [-1, -1], None, None, True, 0, None,
+             torch.empty(2, 1, 4, 8), "bshd", None, ks, vs))
 
 
 # inductor itself warns that torch.jit.script_method is deprecated (torch 2.13)
@@ -327,19 +446,29 @@ def test_compile_fullgraph_varlen_and_out(rng):
 
 
 @INDUCTOR_WARNING
-def test_compile_fullgraph_kvcache_mutates_the_cache(rng):
-    kc, vc, bt = _cache(rng, "float32", True, "bshd", B=2)
-    kc_np, vc_np = N(kc).copy(), N(vc).copy()
+@pytest.mark.parametrize("code", [None, "int8", "fp8"], ids=["float32", "int8", "fp8"])
+def test_compile_fullgraph_kvcache_mutates_the_cache(rng, code):
+    """Inductor, fullgraph: the appended K/V (and, in a quantized cache, their scales) land in
+    the caller's tensors, as the NumPy API writes them."""
+    if code is None:
+        kc, vc, bt = _cache(rng, "float32", True, "bshd", B=2)
+        ks = vs = None
+        kc_np, vc_np, ks_np, vs_np = N(kc).copy(), N(vc).copy(), None, None
+    else:
+        kc, vc, ks, vs, bt, (kc_np, vc_np, ks_np, vs_np) = _quant_cache(rng, code, True, "bshd", B=2)
     q, k, v = trand(rng, (2, 1, 4, 16)), trand(rng, (2, 1, 2, 16)), trand(rng, (2, 1, 2, 8))
     lens = torch.tensor([3, 30], dtype=torch.int32)
-    fn = torch.compile(lambda q, kc, vc, k, v, lens, bt: ft.flash_attention_with_kvcache(
-        q, kc, vc, k, v, cache_seqlens=lens, block_table=bt, causal=True), fullgraph=True)
-    got = fn(q, kc, vc, k, v, lens, bt)
+    fn = torch.compile(lambda q, kc, vc, k, v, lens, bt, ks, vs: ft.flash_attention_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=lens, block_table=bt, causal=True, k_scale=ks, v_scale=vs), fullgraph=True)
+    got = fn(q, kc, vc, k, v, lens, bt, ks, vs)
     want = fa2cpu.flash_attention_with_kvcache(N(q), kc_np, vc_np, N(k), N(v), cache_seqlens=N(lens),
-                                               block_table=N(bt), causal=True)
+                                               block_table=N(bt), causal=True, k_scale=ks_np, v_scale=vs_np)
     same(got, want)
-    same(kc, kc_np)
-    same(vc, vc_np)
+    np.testing.assert_array_equal(_bytes(kc), kc_np.view(np.uint8) if code == "fp8" else kc_np)
+    np.testing.assert_array_equal(_bytes(vc), vc_np.view(np.uint8) if code == "fp8" else vc_np)
+    if code is not None:
+        np.testing.assert_array_equal(N(ks), ks_np)
+        np.testing.assert_array_equal(N(vs), vs_np)
 
 
 # ------------------------------------------------------------------------------ autograd

@@ -300,6 +300,137 @@ def test_training_gradients_match_sdpa(pad):
 
 
 # ---------------------------------------------------------------------------------------------
+# KVCache(kv_dtype=torch.int8 / torch.float8_e4m3fn): a quantized cache
+# ---------------------------------------------------------------------------------------------
+KV_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+
+
+def _fake_quantized(x, code):
+    """x (B, H, N, D) quantized and dequantized by API.md's rule, per token and head, in float32:
+    scale = max|x| / 127 (int8, codes rint(x / scale)) or / 448 (float8_e4m3fn, round to nearest even)."""
+    dtype, limit = KV_DTYPES[code]
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / limit
+    y = xf / torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = torch.round(y).clamp(-limit, limit) if dtype is torch.int8 else y.clamp(-limit, limit).to(dtype)
+    return (y.float() * scale).to(x.dtype)
+
+
+def _register_fake_quantized_sdpa():
+    """Attention implementations "fq_<code>_sdpa": transformers' sdpa on fake-quantized keys and
+    values (the reference for a quantized KVCache; with DynamicCache every call sees the raw
+    float K/V, quantized once per call, as the quantized cache stores them)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+    names = {}
+    for code in KV_DTYPES:
+        def forward(module, query, key, value, *args, _code=code, **kwargs):
+            return sdpa_attention_forward(module, query, _fake_quantized(key, _code), _fake_quantized(value, _code),
+                                          *args, **kwargs)
+        names[code] = f"fq_{code}_sdpa"
+        transformers.AttentionInterface.register(names[code], forward)
+        transformers.masking_utils.AttentionMaskInterface.register(names[code], sdpa_mask)
+    return names
+
+
+FAKE_QUANTIZED = _register_fake_quantized_sdpa()
+
+
+@pytest.mark.parametrize("code", list(KV_DTYPES))
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_quantized_kvcache_matches_fake_quantized_sdpa(code, paged):
+    """KVCache(kv_dtype=int8 / float8) is exact attention on the dequantized cache: greedy tokens
+    identical to sdpa on fake-quantized K/V and logits within LOGITS_TOL, through every path
+    (left padding stored compacted, right padding stored at transformers' positions and handed
+    to flash_attention dequantized, chunked prefill, decode appends). Buffers never move; codes
+    and scales are written where the sequences' tokens are stored and nowhere else."""
+    cfg, _ = _configs()["mistral"]
+    ref, fa = _pair(cfg, FAKE_QUANTIZED[code])
+    kv_dtype = KV_DTYPES[code][0]
+    ids, am = _batch("left")
+    cache = fh.KVCache(fa.config, 2, N + NEW, kv_dtype=kv_dtype, paged=paged, block_size=4)
+    layer = cache.layers[0]
+    assert layer.k_cache.dtype is kv_dtype and layer.k_scale.dtype is torch.float32
+    assert layer.k_scale.shape == layer.k_cache.shape[:-1] and layer.v_scale.shape == layer.v_cache.shape[:-1]
+    ptrs = [[t.data_ptr() for t in (x.k_cache, x.v_cache, x.k_scale, x.v_scale)] for x in cache.layers]
+    assert torch.equal(_generate(fa, ids, am, cache=cache), _generate(ref, ids, am))
+    assert [[t.data_ptr() for t in (x.k_cache, x.v_cache, x.k_scale, x.v_scale)] for x in cache.layers] == ptrs
+    lens = cache.seqlens().tolist()
+    assert lens == [N + NEW - 1, N + NEW - 1 - PADS]
+    if not paged:  # scales > 0 exactly at the stored rows (random K/V have no zero row)
+        for x in cache.layers:
+            for scales in (x.k_scale, x.v_scale):
+                stored = torch.arange(scales.shape[1])[None, :] < torch.tensor(lens)[:, None]
+                assert bool((scales > 0).all(dim=-1).eq(stored).all())
+    for pad in ("left", "right"):
+        ids, am = _batch(pad, n=20)
+        cache.reset()
+        dyn = transformers.DynamicCache(config=ref.config)
+        for lo, hi in ((0, 9), (9, 17), (17, 18), (18, 20)):
+            a = _logits(ref, ids[:, lo:hi], am[:, :hi], cache=dyn)
+            b = _logits(fa, ids[:, lo:hi], am[:, :hi], cache=cache)
+            real = am[:, lo:hi].bool()
+            assert (a - b)[real].abs().max().item() < LOGITS_TOL, (pad, lo)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_quantized_kvcache_beam_search(paged):
+    """Beam search reorders the cache (codes and scales move together, nothing re-quantized)."""
+    cfg, _ = _configs()["llama"]
+    ref, fa = _pair(cfg, FAKE_QUANTIZED["int8"])
+    ids, am = _batch("left", n=12)
+    cache = fh.KVCache(fa.config, 4, 32, kv_dtype=torch.int8, paged=paged, block_size=4)
+    assert torch.equal(_generate(fa, ids, am, num_beams=2, cache=cache), _generate(ref, ids, am, num_beams=2))
+
+
+def _teacher_forced(model, cache, seq, am):
+    """Last-position logits of a prefill of seq[:, :N] then one decode step per later token."""
+    out = []
+    with torch.no_grad():
+        out.append(model(seq[:, :N], attention_mask=am, cache=cache).logits[:, -1])
+        for t in range(N, seq.shape[1]):
+            mask = torch.cat([am, torch.ones(am.shape[0], t + 1 - N, dtype=am.dtype)], 1)
+            out.append(model(seq[:, t:t + 1], attention_mask=mask, cache=cache).logits[:, -1])
+    return torch.stack(out)
+
+
+def test_int8_kvcache_close_to_the_float_cache():
+    """Greedy generation with an int8 KVCache against the float cache's. Each cached element
+    moves by at most max|x| / 254 (half a step of scale max|x| / 127), i.e. 1/254 of its row's
+    largest magnitude. The default-initialised model's scores are near 0 (attention close to
+    uniform), so an attention output moves by about that fraction of the V rows' scale and the
+    logits by about that fraction of theirs, per perturbed tensor (K and V) and layer (2): the
+    bound 2 * 2 / 254 of max|logits| (measured: ~0.3% of max|logits|, this bound ~1.6%).
+    Teacher-forced on the float cache's tokens, so each step sees the same inputs; argmax must
+    agree wherever the float logits' top-2 gap exceeds twice the bound, and mostly anyway."""
+    cfg, _ = _configs()["llama"]
+    _, fa = _pair(cfg, "sdpa")
+    ids, am = _batch("left")
+    seq = _generate(fa, ids, am, cache=fh.KVCache(fa.config, 2, N + NEW))
+    want = _teacher_forced(fa, fh.KVCache(fa.config, 2, N + NEW), seq, am)
+    cache = fh.KVCache(fa.config, 2, N + NEW, kv_dtype=torch.int8)
+    got = _teacher_forced(fa, cache, seq, am)
+    tol = 2 * 2 / 254 * want.abs().max().item()
+    err = (got - want).abs().amax(-1)
+    assert err.max().item() < tol, (err.max().item(), tol)
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * tol
+    agree = got.argmax(-1) == want.argmax(-1)
+    assert bool(agree[clear].all())
+    assert agree.float().mean().item() >= 0.8
+    assert all(bool((x.k_scale[:, :N + NEW - 1 - PADS] > 0).all()) for x in cache.layers)  # scales written
+
+
+def test_kvcache_kv_dtype_is_checked():
+    cfg, _ = _configs()["llama"]
+    with pytest.raises(TypeError, match="kv_dtype"):
+        fh.KVCache(cfg, 2, 8, kv_dtype=torch.uint8)
+    with pytest.raises(TypeError, match="kv_dtype"):
+        fh.KVCache(cfg, 2, 8, dtype=torch.float32, kv_dtype=torch.bfloat16)
+    assert fh.KVCache(cfg, 2, 8, dtype=torch.float32, kv_dtype=torch.float32).layers[0].k_scale is None
+
+
+# ---------------------------------------------------------------------------------------------
 # gpt-oss: attention sinks (s_aux) reach the kernels
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")

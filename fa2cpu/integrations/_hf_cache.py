@@ -9,9 +9,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # The kernels as torch custom ops. Called as ``_ft.<name>`` at call time, so a spy on
 # ``fa2cpu.torch.flash_attention`` (tests) sees every call.
 from fa2cpu import torch as _ft
-from fa2cpu._torch_bridge import _FLOATS
+from fa2cpu._torch_bridge import _FLOATS, _np, _tensor
+from fa2cpu.attention import _quantize
 
 from ._hf_masks import _SPEC_ATTR, MaskSpec
+
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # kv_dtype of a quantized cache
 
 _PENDING_ATTR = "_fa2cpu_kvcache_layer"  # attribute of the key tensor KVCache.update returns
 _REGISTERED = set()                      # names given to register() (for KVCache's error message)
@@ -24,15 +27,21 @@ class _KVLayer(CacheLayerMixin):
     ``offsets[b]`` = leading positions of sequence b not stored (dropped left padding), so
     position t of sequence b is stored at cache row ``t - offsets[b]`` and the sequence holds
     ``seqlens[b] = length - offsets[b]`` rows (int32, also the kernels' ``cache_seqlens``).
+
+    A quantized layer (``k_scale`` not None) stores codes in ``k_cache``/``v_cache`` and one float32
+    scale per stored token and head in ``k_scale``/``v_scale`` (the buffers' shape without the
+    last axis). Storage moves (:meth:`_gather`/:meth:`_scatter`) carry codes and scales together,
+    unchanged; new keys/values are quantized once, by the kernels' append rule (:meth:`_encode`).
     """
     is_compileable = False
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, owner, k_cache, v_cache):
+    def __init__(self, owner, k_cache, v_cache, k_scale=None, v_scale=None):
         super().__init__()
         self._owner = owner
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_scale, self.v_scale = k_scale, v_scale  # quantized: float32 (B, Ncap, Hk) / (blocks, block_size, Hk)
         self.keys, self.values = k_cache, v_cache  # (B, Ncap, Hk, D) / paged (blocks, block_size, Hk, D)
         self.is_initialized = True
         self.device = k_cache.device
@@ -60,7 +69,9 @@ class _KVLayer(CacheLayerMixin):
         self._views = (self.k_cache if paged else self.k_cache[:batch],
                        self.v_cache if paged else self.v_cache[:batch],
                        self._owner.block_table[:batch] if paged else None,
-                       self._seqlens_t[:batch], self._seqlens[:batch])
+                       self._seqlens_t[:batch], self._seqlens[:batch],
+                       # the scales, sliced like the caches (None for a float cache)
+                       *(s if s is None or paged else s[:batch] for s in (self.k_scale, self.v_scale)))
         self._uniform = not self.offsets[:batch].any()  # every sequence holds `length` rows
 
     @property
@@ -109,10 +120,10 @@ class _KVLayer(CacheLayerMixin):
         lens = self._seqlens[idx].copy()
         offsets = self.offsets[idx].copy()
         top = int(lens.max()) if lens.size else 0
-        ks, vs = self._gather(index, top), self._gather(index, top, values=True)
+        stored = self._gather(index, top)
         b = index.numel()
         self._owner._allocate(b, lens)
-        self._scatter(ks, vs, 0, torch.arange(b))
+        self._scatter(stored, 0, torch.arange(b))
         self.offsets[:b], self._seqlens[:b] = offsets, lens
         self._set_batch(b)
 
@@ -125,21 +136,56 @@ class _KVLayer(CacheLayerMixin):
         bs = self._owner.block_size
         return self._owner.block_table[rows[:, None], pos[None, :] // bs].long(), (pos % bs)[None, :]
 
-    def _gather(self, rows, n, values=False):
-        buf = self.v_cache if values else self.k_cache
-        if not self._owner.paged:
-            return buf[rows, :n]  # advanced indexing: a copy
-        return buf[self._slots(rows, 0, n)]
+    def _buffers(self):
+        """The layer's storage: (k_cache, v_cache), plus (k_scale, v_scale) when quantized."""
+        if self.k_scale is None:
+            return self.k_cache, self.v_cache
+        return self.k_cache, self.v_cache, self.k_scale, self.v_scale
 
-    def _scatter(self, ks, vs, start, rows):
-        n = ks.shape[1]
+    def _gather(self, rows, n):
+        """Copies of positions [0, n) of the given sequences, one (B', n, ...) tensor per buffer
+        (see _buffers): codes and scales as stored, nothing re-quantized."""
         if not self._owner.paged:
-            self.k_cache[rows, start:start + n] = ks
-            self.v_cache[rows, start:start + n] = vs
-        else:
-            idx = self._slots(rows, start, start + n)
-            self.k_cache[idx] = ks
-            self.v_cache[idx] = vs
+            return tuple(buf[rows, :n] for buf in self._buffers())  # advanced indexing: copies
+        idx = self._slots(rows, 0, n)
+        return tuple(buf[idx] for buf in self._buffers())
+
+    def _scatter(self, stored, start, rows):
+        """Writes ``stored`` (one tensor per buffer, as _gather / _encode return) at positions
+        [start, start + n) of the given sequences."""
+        n = stored[0].shape[1]
+        idx = (rows, slice(start, start + n)) if not self._owner.paged else self._slots(rows, start, start + n)
+        for buf, x in zip(self._buffers(), stored):
+            buf[idx] = x
+
+    def _encode(self, k, v):
+        """New keys/values (B', n, Hk, D) in the layout of the storage: (k, v) for a float cache;
+        for a quantized one (codes_k, codes_v, scale_k, scale_v), quantized by the rule of
+        ``flash_attention_with_kvcache``'s append (the same NumPy code: max|x| / 127 or / 448 per
+        token and head, in float32), refusing inf/NaN as it does."""
+        if self.k_scale is None:
+            return k, v
+        encoded = []
+        for name, x, cache in (("k", k, self.k_cache), ("v", v, self.v_cache)):
+            x_np = _np(name, x)
+            if not np.isfinite(np.asarray(x_np, np.float32)).all():
+                raise ValueError(f"KVCache: the new {'keys' if name == 'k' else 'values'} hold inf or NaN, which "
+                                 f"cannot be quantized into the {cache.dtype} cache (per-token scale max|x| / "
+                                 f"{127 if cache.dtype is torch.int8 else 448})")
+            codes, scales = _quantize(x_np, _np(name + "_cache", cache[:0]), True)
+            encoded.append((_tensor(codes), torch.from_numpy(scales)))
+        (k_codes, k_scales), (v_codes, v_scales) = encoded
+        return k_codes, v_codes, k_scales, v_scales
+
+    def _decoded(self, stored):
+        """Keys and values (B', n, Hk, D) in the model's dtype from ``stored`` (see _gather):
+        code * scale in float32, rounded once to the dtype, for a quantized cache (a temporary
+        copy: only the general path, which needs a mask, hands K/V to flash_attention this way)."""
+        if self.k_scale is None:
+            return stored
+        k, v, ks, vs = stored
+        dtype = self._owner.dtype
+        return ((k.to(torch.float32) * ks[..., None]).to(dtype), (v.to(torch.float32) * vs[..., None]).to(dtype))
 
     # --- transformers API ---------------------------------------------------------------------
     def update(self, key_states, value_states, *args, **kwargs):
@@ -152,9 +198,9 @@ class _KVLayer(CacheLayerMixin):
                 "attention implementation registered by fa2cpu.integrations.transformers.register() "
                 f"(registered: {sorted(_REGISTERED) or 'none'}).")
         k_cache = self.k_cache
-        if key_states.dtype != k_cache.dtype:
-            raise TypeError(f"KVCache: the model computes keys in {key_states.dtype} but the cache holds "
-                            f"{k_cache.dtype}; create it with dtype={key_states.dtype}")
+        if key_states.dtype != self._owner.dtype:
+            raise TypeError(f"KVCache: the model computes keys in {key_states.dtype} but the cache was made for "
+                            f"{self._owner.dtype}; create it with dtype={key_states.dtype}")
         if (key_states.shape[1] != k_cache.shape[2] or key_states.shape[3] != k_cache.shape[3]
                 or value_states.shape[3] != self.v_cache.shape[3]):
             raise ValueError(f"KVCache: keys of shape {tuple(key_states.shape)} (B, Hk, N, D) do not fit the cache "
@@ -226,27 +272,29 @@ class _KVLayer(CacheLayerMixin):
         plan = _GENERAL if dense is not None else self._padding_plan(spec, attention_mask)
         q = query.transpose(1, 2)
         k_new_bshd, v_new_bshd = k_new.transpose(1, 2), v_new.transpose(1, 2)
-        k_cache, v_cache, table, seqlens_t, seqlens = self._views
+        k_cache, v_cache, table, seqlens_t, seqlens, k_scale, v_scale = self._views
         paged = self._owner.paged
-        if plan is _APPEND:  # the decode path: append in place and attend, one call
+        if plan is _APPEND:  # the decode path: append in place (quantizing) and attend, one call
             if paged:
                 self._owner._allocate(B, seqlens + n_new)
             out = _ft.flash_attention_with_kvcache(
                 q, k_cache, v_cache, k_new_bshd, v_new_bshd,
                 cache_seqlens=self.length if self._uniform else seqlens_t, block_table=table,
-                scale=scaling, window=(lo, hi), softcap=softcap, sinks=sinks)
+                scale=scaling, window=(lo, hi), softcap=softcap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
             seqlens += n_new
         elif plan[0] == "compact":  # left-padded prompt: store each sequence's real tokens only
             pads = plan[1]
             lens = n_new - pads
+            encoded = self._encode(k_new_bshd, v_new_bshd)  # (checks first: nothing stored on error)
             self._owner._allocate(B, lens)
             for b in range(B):
                 if lens[b]:
-                    self._scatter(k_new_bshd[b:b + 1, pads[b]:], v_new_bshd[b:b + 1, pads[b]:], 0, torch.tensor([b]))
+                    self._scatter([x[b:b + 1, pads[b]:] for x in encoded], 0, torch.tensor([b]))
             self.offsets[:B], seqlens[:] = pads, lens
             self._set_batch(B)
             out = _ft.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens_t, block_table=table,
-                                                   scale=scaling, window=(lo, hi), softcap=softcap, sinks=sinks)
+                                                   scale=scaling, window=(lo, hi), softcap=softcap, sinks=sinks,
+                                                   k_scale=k_scale, v_scale=v_scale)
         else:
             out = self._attend_general(q, k_new_bshd, v_new_bshd, attention_mask, spec, dense, lo, hi, scaling, softcap,
                                        sinks)
@@ -267,15 +315,14 @@ class _KVLayer(CacheLayerMixin):
         rows = torch.arange(B)
         lens = self._seqlens[:B].copy()
         top = int(lens.max())
-        ks, vs = self._gather(rows, top), self._gather(rows, top, values=True)
+        stored = self._gather(rows, top)
         self._owner._allocate(B, lens + self.offsets[:B])
         for b in range(B):
             off, n = int(self.offsets[b]), int(lens[b])
             if n:
-                self._scatter(ks[b:b + 1, :n], vs[b:b + 1, :n], off, torch.tensor([b]))
-            if off:
-                self._scatter(torch.zeros((1, off) + ks.shape[2:], dtype=ks.dtype),
-                              torch.zeros((1, off) + vs.shape[2:], dtype=vs.dtype), 0, torch.tensor([b]))
+                self._scatter([x[b:b + 1, :n] for x in stored], off, torch.tensor([b]))
+            if off:  # the dropped pads' rows: zeros (codes and scales 0 in a quantized cache)
+                self._scatter([x.new_zeros((1, off) + x.shape[2:]) for x in stored], 0, torch.tensor([b]))
         self._seqlens[:B] = lens + self.offsets[:B]
         self.offsets[:B] = 0
         self._set_batch(B)
@@ -283,17 +330,19 @@ class _KVLayer(CacheLayerMixin):
     def _attend_general(self, q, k_new_bshd, v_new_bshd, row, spec, dense, lo, hi, scaling, softcap, sinks=None):
         """Any padding pattern or a dense mask: sequences stored at transformers' positions, new
         tokens written in place, then attention over [0, length + N) with the padding row (or the
-        dense mask)."""
+        dense mask) through ``flash_attention``, which takes the mask (a quantized cache is
+        dequantized into a temporary float copy of those positions for it: see _decoded)."""
         B, n_new = k_new_bshd.shape[0], k_new_bshd.shape[1]
+        encoded = self._encode(k_new_bshd, v_new_bshd)  # (checks first: nothing stored on error)
         self._to_positions(row if spec is not None else None)
         total = self.length + n_new
         rows = torch.arange(B)
         self._owner._allocate(B, np.full(B, total))
-        self._scatter(k_new_bshd, v_new_bshd, self.length, rows)
+        self._scatter(encoded, self.length, rows)
         if self._owner.paged:
-            keys, values = self._gather(rows, total), self._gather(rows, total, values=True)
-        else:
-            keys, values = self.k_cache[:B, :total], self.v_cache[:B, :total]
+            keys, values = self._decoded(self._gather(rows, total))
+        else:  # views of the buffers (decoded into a copy when quantized)
+            keys, values = self._decoded(tuple(buf[:B, :total] for buf in self._buffers()))
         self._seqlens[:B] = total
         if dense is not None:
             mask, window = dense, (-1, -1)
@@ -318,17 +367,32 @@ class KVCache(Cache):
     dtype : torch.dtype, optional
         float32, float16 or bfloat16; default: the config's dtype, else float32. Must be the
         dtype the model computes keys in.
+    kv_dtype : torch.dtype, optional
+        What the buffers store: None (default) = ``dtype``; ``torch.int8`` or
+        ``torch.float8_e4m3fn`` = a quantized cache: codes of that dtype plus float32 scale
+        buffers ``k_scale`` / ``v_scale`` (one scale per stored token and KV head, the buffers'
+        shape without the last axis), filled by ``flash_attention_with_kvcache``'s quantizing
+        append (``scale = max|x| / 127`` for int8, ``/ 448`` for float8, per token and head; the
+        cached value is ``code * scale``) and read by the kernels in place, dequantized in
+        registers: half (int8/float8 vs bf16) or a quarter (vs float32) of the K/V bytes, with an
+        error of up to ``max|x| / 254`` per element for int8 (half a step), about 1/16 of the
+        element's magnitude for float8 (3 mantissa bits). One exception: the general path
+        (padding other than left padding, dense masks), which needs a mask and so calls
+        ``flash_attention`` rather than ``flash_attention_with_kvcache``, hands it a temporary
+        float copy of the sequences' dequantized K/V (code * scale in float32, rounded to
+        ``dtype``). ``layers[i].keys`` / ``values`` are the code buffers.
     paged : bool
         Store K/V in blocks of ``block_size`` positions handed out on demand from a shared pool
         (``num_blocks``, default: enough for every sequence at full length) through a block
         table, as in vLLM; else one ``(max_batch_size, max_cache_len, Hk, D)`` buffer per layer.
 
-    Buffers never move: ``layers[i].k_cache`` / ``v_cache`` keep their storage across steps.
+    Buffers never move: ``layers[i].k_cache`` / ``v_cache`` (and ``k_scale`` / ``v_scale``) keep
+    their storage across steps.
     Works only with ``attn_implementation`` set to a name registered by :func:`register`.
     """
 
-    def __init__(self, config, max_batch_size, max_cache_len, dtype=None, *, paged=False, block_size=16,
-                 num_blocks=None, device="cpu"):
+    def __init__(self, config, max_batch_size, max_cache_len, dtype=None, *, kv_dtype=None, paged=False,
+                 block_size=16, num_blocks=None, device="cpu"):
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if dtype is None:
             dtype = getattr(cfg, "dtype", None) or torch.float32
@@ -336,6 +400,11 @@ class KVCache(Cache):
                 dtype = getattr(torch, dtype)
         if dtype not in _FLOATS:
             raise TypeError(f"dtype: {dtype} is not supported; expected torch.float32, float16 or bfloat16")
+        if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in _CODE_DTYPES:
+            raise TypeError(f"kv_dtype: {kv_dtype} is not supported; expected None (= dtype), torch.int8 or "
+                            f"torch.float8_e4m3fn")
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        quantized = self.kv_dtype in _CODE_DTYPES
         if int(max_batch_size) < 1 or int(max_cache_len) < 1:
             raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got {max_batch_size}, {max_cache_len}")
         self.max_batch_size, self.max_cache_len = int(max_batch_size), int(max_cache_len)
@@ -358,8 +427,13 @@ class KVCache(Cache):
         else:
             shape_k = (self.max_batch_size, self.max_cache_len, hk, d)
             shape_v = (self.max_batch_size, self.max_cache_len, hk, dv)
-        layers = [_KVLayer(self, torch.zeros(shape_k, dtype=dtype, device=device),
-                           torch.zeros(shape_v, dtype=dtype, device=device)) for _ in range(n_layers)]
+        def buffers():  # one layer's (k_cache, v_cache[, k_scale, v_scale])
+            caches = (torch.zeros(shape_k, dtype=self.kv_dtype, device=device),
+                      torch.zeros(shape_v, dtype=self.kv_dtype, device=device))
+            if not quantized:
+                return caches
+            return caches + tuple(torch.zeros(shape_k[:-1], dtype=torch.float32, device=device) for _ in range(2))
+        layers = [_KVLayer(self, *buffers()) for _ in range(n_layers)]
         super().__init__(layers=layers)
 
     def _allocate(self, batch, lengths):

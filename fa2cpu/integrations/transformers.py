@@ -47,7 +47,10 @@ concatenates K/V. Left padding (what ``generate`` uses for batches) is dropped w
 stored: each sequence keeps only its real tokens and its own length (``cache_seqlens``), which is
 exact because pads sit before every real token (causal and sliding-window distances between real
 tokens are unchanged). Any other padding pattern switches that layer's storage to transformers'
-positions (pads kept, masked by the padding row), also exact.
+positions (pads kept, masked by the padding row), also exact. ``kv_dtype=torch.int8`` (or
+``torch.float8_e4m3fn``) stores codes plus float32 per-token, per-head scales, quantized by the
+kernels' append and dequantized in registers (only the general path, which needs a mask, hands
+``flash_attention`` a dequantized copy).
 
 Code: this module holds the attention function and register(); _hf_masks.py the mask function and
 descriptors; _hf_cache.py the KV cache.
