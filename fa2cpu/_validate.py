@@ -163,6 +163,7 @@ def _seqlen_array(batch, length):
 _LEAN_FLOAT_MAX = 1e30
 _LEAN_MAX_SPLITS = 1024
 _INT32 = np.dtype(np.int32)
+_F32 = np.dtype(np.float32)
 _INDEX_DTYPES = (_INT32, np.dtype(np.int64))  # dtype instances: `in` then tests identity first (~0.05 us, not 0.5)
 
 
@@ -171,13 +172,14 @@ def _contiguous_writable(flags):  # one flags object (each .flags access builds 
 
 
 def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
-                         num_splits, num_threads, out, layout):
+                         num_splits, num_threads, out, layout, k_scale=None, v_scale=None):
     """kvcache_problem for the common decode case, checked with cheap metadata tests (a decode step
     costs tens of microseconds; the full checks cost several). Returns None, having changed
     nothing, for anything outside it; kvcache_problem then checks everything and words the errors.
 
-    Covered: q, caches (and k, v) plain ndarrays of one kernel dtype, 4-D, either layout;
-    contiguous cache, or paged with an int32 block table; int or int32/int64 ``(B,)``
+    Covered: q, caches (and k, v) plain ndarrays of one kernel dtype, 4-D, either layout, or
+    int8 / float8 caches with both float32 scale arrays of the cache's shape without the last
+    axis (finite k, v when appending); contiguous cache, or paged with an int32 block table; int or int32/int64 ``(B,)``
     cache_seqlens; no alibi; Python scalars for the options; ``out`` None or a C-contiguous
     array that shares no memory with an input. Within that case the results equal
     kvcache_problem's (same normalisation of options, same core arguments)."""
@@ -185,7 +187,17 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         return None
     dtype = q.dtype
     dtype_code = _DTYPES.get(dtype)
-    if dtype_code is None or k_cache.dtype is not dtype or v_cache.dtype is not dtype \
+    codes = None
+    if k_cache.dtype is not dtype:
+        codes = _CODES.get(k_cache.dtype)
+        if codes is None or v_cache.dtype is not k_cache.dtype or type(k_scale) is not np.ndarray \
+                or type(v_scale) is not np.ndarray or k_scale.dtype is not _F32 or v_scale.dtype is not _F32 \
+                or k_scale.shape != k_cache.shape[:-1] or v_scale.shape != v_cache.shape[:-1] \
+                or not (k_scale.flags.aligned and v_scale.flags.aligned):
+            return None
+    elif k_scale is not None or v_scale is not None:
+        return None
+    if dtype_code is None or v_cache.dtype is not k_cache.dtype \
             or q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
         return None
     if type(causal) is not bool or type(num_splits) is not int or not 0 <= num_splits <= _LEAN_MAX_SPLITS \
@@ -230,6 +242,9 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         new_tokens = k.shape[1]
         if k.shape != (B, new_tokens, Hk, D) or v.shape != (B, new_tokens, Hk, Dv):
             return None
+        if codes is not None and not (k_scale.flags.writeable and v_scale.flags.writeable
+                                      and np.isfinite(k).all() and np.isfinite(v).all()):
+            return None
     if block_table is None:
         if num_blocks != B:
             return None
@@ -271,7 +286,8 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     elif type(out) is not np.ndarray or out.dtype is not dtype or out.shape != out_shape \
             or not _contiguous_writable(out.flags) or np.may_share_memory(out, q) or np.may_share_memory(out, k_cache) \
             or np.may_share_memory(out, v_cache) or (new_tokens and (
-                np.may_share_memory(out, k) or np.may_share_memory(out, v))):
+                np.may_share_memory(out, k) or np.may_share_memory(out, v))) or (codes is not None and (
+                np.may_share_memory(out, k_scale) or np.may_share_memory(out, v_scale))):
         return None
     # As _Options: causal sets right = 0; bounds past every sequence mean unbounded (-1).
     if causal:
@@ -283,14 +299,23 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     # As _threads: None = OpenMP's current maximum; capped at the CPUs this process may use.
     threads = max(1, min(_core.max_threads() if num_threads is None else num_threads, _core.max_useful_threads()))
     append = None
+    kv_code, k_scale4, v_scale4 = -1, None, None
+    if codes is not None:  # scales in the core's (batch, head, position) order and the append's (b, n, h)
+        kv_code = codes[0]
+        if layout == "bshd":
+            k_scale4, v_scale4 = k_scale.transpose(0, 2, 1), v_scale.transpose(0, 2, 1)
+        else:
+            k_scale4, v_scale4, k_scale, v_scale = k_scale, v_scale, k_scale.transpose(0, 2, 1), v_scale.transpose(0, 2, 1)
     if new_tokens:
         append = Append(k_cache if layout == "bshd" else k_cache.transpose(0, 2, 1, 3),
                         v_cache if layout == "bshd" else v_cache.transpose(0, 2, 1, 3),
-                        k, v, length if lengths is None else lengths)
+                        k, v, length if lengths is None else lengths, k_scale if codes else None,
+                        v_scale if codes else None)
     # _make of a tuple in field order: keywords would cost ~1.5 us on the per-token path.
     return Problem._make((q4, k_cache4, v_cache4, out.transpose(0, 2, 1, 3) if layout == "bshd" else out,
                           dtype_code, B, Hq, Hk, Nq, capacity, scale, softcap, left, right, None, None, 0, None,
-                          None, kv_seqlens, table, block_size, threads, num_splits, None, -1, None, None)), out, append
+                          None, kv_seqlens, table, block_size, threads, num_splits, None, kv_code, k_scale4,
+                          v_scale4)), out, append
 
 
 def _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,

@@ -169,9 +169,9 @@ def _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
                   v_scale=None):
     """flash_attention_with_kvcache -> (out, lse or None); also fa2cpu.torch's, on tensor views."""
     # The lean checks first (a decode step's common case, a few microseconds), else every check.
-    found = None if alibi_slopes is not None or k_scale is not None or v_scale is not None else kvcache_problem_lean(
+    found = None if alibi_slopes is not None else kvcache_problem_lean(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap, num_splits,
-        num_threads, out, layout)
+        num_threads, out, layout, k_scale, v_scale)
     problem, out, append = found or kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap, alibi_slopes,
         num_splits, num_threads, out, layout, k_scale, v_scale)
@@ -188,13 +188,15 @@ def _quantize(x, cache, with_scales):
     scales ``(B, n, Hk)`` (None without scales): API.md's rule, computed in float32."""
     x = np.asarray(x, np.float32)
     limit = np.float32(_CODES[cache.dtype][1])
+    # np.minimum/np.maximum: np.clip's semantics (NaN stays NaN) at a fraction of its call cost,
+    # which is most of a decode step's append.
     if not with_scales:  # float8 without scales: direct conversion, saturating (NaN stays NaN)
-        return np.clip(x, -limit, limit).astype(cache.dtype), None
+        return np.minimum(np.maximum(x, -limit), limit).astype(cache.dtype), None
     scale = np.abs(x).max(axis=-1) / limit
     y = x / np.where(scale > 0, scale, np.float32(1))[..., None]
     if cache.dtype == np.int8:
-        y = np.rint(y)
-    return np.clip(y, -limit, limit).astype(cache.dtype), scale
+        np.rint(y, out=y)
+    return np.minimum(np.maximum(y, -limit, out=y), limit, out=y).astype(cache.dtype), scale
 
 
 def _append(append, block_table, block_size):

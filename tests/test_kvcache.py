@@ -4,6 +4,7 @@ long decode, GQA, hostile inputs (nothing written on error), concurrent decode t
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -423,7 +424,7 @@ def _same_problem_field(name, lean, full):
     if isinstance(full, np.ndarray):
         assert isinstance(lean, np.ndarray), name
         assert lean.shape == full.shape and lean.dtype == full.dtype, name
-        if name in ("q", "k", "v"):  # views of the caller's arrays: the same memory, the same strides
+        if name in ("q", "k", "v", "k_scale", "v_scale"):  # views of the caller's arrays: same memory and strides
             assert lean.strides == full.strides and lean.ctypes.data == full.ctypes.data, name
         elif name != "out":  # out: each call allocated its own
             assert np.array_equal(lean, full), name
@@ -433,7 +434,7 @@ def _same_problem_field(name, lean, full):
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("case", ["int", "array", "append", "options", "out"])
+@pytest.mark.parametrize("case", ["int", "array", "append", "options", "out", "int8", "fp8-append"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_lean_validator_matches_full_checks(layout, paged, case, batch):
     """The decode path's lean validator (also fa2cpu.torch's) takes the common case and describes
@@ -446,7 +447,12 @@ def test_lean_validator_matches_full_checks(layout, paged, case, batch):
     k = v = out = None
     seqlens = 40 if case != "array" else np.array([40, 3, 17][:batch], np.int32)
     options = dict(causal=False, scale=None, window=(-1, -1), softcap=None)
-    if case == "append":
+    k_scale = v_scale = None
+    if case in ("int8", "fp8-append"):  # a quantized cache: codes + float32 scales (B|blocks, N, Hk)
+        code = np.int8 if case == "int8" else ml_dtypes.float8_e4m3fn
+        kc, vc = (np.clip(a * 40, -127, 127).astype(code) for a in (kc, vc))
+        k_scale, v_scale = (np.abs(rand(rng, a.shape[:-1], "float32")) for a in (kc, vc))
+    if case in ("append", "fp8-append"):
         k, v = rand(rng, (batch, 3, Hk, D), "float32"), rand(rng, (batch, 3, Hk, Dv), "float32")
     elif case == "options":
         options = dict(causal=True, scale=0.3, window=(5, 1000), softcap=20.0)
@@ -455,12 +461,13 @@ def test_lean_validator_matches_full_checks(layout, paged, case, batch):
     if layout == "bhsd":
         swap = (lambda a: None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1, 3)))
         q, kc, vc, k, v, out = map(swap, (q, kc, vc, k, v, out))
+        k_scale, v_scale = (None if a is None else np.ascontiguousarray(a.transpose(0, 2, 1)) for a in (k_scale, v_scale))
     args = (q, kc, vc, k, v, seqlens, table, options["causal"], options["scale"], options["window"],
             options["softcap"])
     tail = (0, 1, out, layout)
-    lean = kvcache_problem_lean(*args, *tail)
+    lean = kvcache_problem_lean(*args, *tail, k_scale, v_scale)
     assert lean is not None, "the common case left the lean path"
-    full = kvcache_problem(*args, None, *tail)
+    full = kvcache_problem(*args, None, *tail, k_scale, v_scale)
     for field, lean_value, full_value in zip(full[0]._fields, lean[0], full[0]):
         _same_problem_field(field, lean_value, full_value)
     assert lean[1].shape == full[1].shape and (out is None or lean[1] is out and full[1] is out)
