@@ -106,6 +106,8 @@ struct Bf16Products {
     static constexpr int RB = G::RB;
     static constexpr int64_t BC = V512::BC;
     static constexpr int64_t kGroupRows = V512::MAX_ROWS;
+    static constexpr int64_t kRowAlign = W, kFeatureAlign = W, kKeyPad = 0;  // backward_loop.h F32Products
+    static int64_t dq_features(int64_t D) { return D; }
     static_assert(RB % 2 == 0 && kGroupRows % 2 == 0, "row pairs never straddle a row block");
 
     struct Bufs {

@@ -73,6 +73,11 @@ struct F32Products {
     static constexpr int W = V::W;
     static constexpr int RB = G::RB;
     static constexpr int64_t kGroupRows = V::MAX_ROWS;
+    // Padding the loop gives this policy's operands (backward_amx.h's tiles need more): rows of a
+    // group rounded up to kRowAlign, dK / dV rows (ldq / ldo) to kFeatureAlign, dK / dV kKeyPad
+    // keys longer than the item, dQ^T panels of dq_features(D) features.
+    static constexpr int64_t kRowAlign = W, kFeatureAlign = W, kKeyPad = 0;
+    static int64_t dq_features(int64_t D) { return D; }
     // Accumulator registers of the forward's micro-tiles (RV x NK): the dV/dK micro-kernel keeps
     // as many, NJ feature vectors x kAcc/NJ keys (V512: 4 x 6 at D = 128, + 4 loads + 1 broadcast).
     static constexpr int kAcc = V::RV * V::NK;
@@ -167,12 +172,12 @@ template <class V, class P = F32Products<V>>
 struct BackwardLoop {
     using vec = typename V::vec;
     static constexpr int W = V::W;
-    static constexpr int RV = F32Gemm<V>::RV;   // row vectors per row block
-    static constexpr int RB = F32Gemm<V>::RB;   // rows per row block
+    static constexpr int RB = P::RB;            // rows per row block
+    static constexpr int RV = RB / W;           // row vectors per row block
     static constexpr int64_t BC = F32Gemm<V>::BC;
-    static constexpr int64_t kGroupRows = V::MAX_ROWS;
-    static_assert(kGroupRows % RB == 0, "row groups are whole row blocks");
-    static_assert(P::RB == RB && P::kGroupRows == kGroupRows, "one row blocking for loop and products");
+    static constexpr int64_t kGroupRows = P::kGroupRows;
+    static_assert(RB % W == 0 && kGroupRows % RB == 0, "row groups are whole row blocks of whole vectors");
+    static_assert(P::kRowAlign % W == 0 && RB % P::kRowAlign == 0, "padded rows stay whole vectors of a block");
 
     struct Layout {
         int64_t ldq, ldo;
@@ -181,16 +186,16 @@ struct BackwardLoop {
     static Layout layout(const BackwardParams& bp, int64_t keys) {
         const Params& p = bp.f;
         Layout L;
-        L.ldq = round_up(p.d, W);
-        L.ldo = round_up(p.dv, W);
+        L.ldq = round_up(p.d, P::kFeatureAlign);
+        L.ldo = round_up(p.dv, P::kFeatureAlign);
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
         int64_t ops_floats = 0;
         P::carve(p, keys, nullptr, &ops_floats);
         L.ops = take(ops_floats);
-        L.dkall = take(keys * L.ldq);
-        L.dvall = take(keys * L.ldo);
-        L.dqT = take(p.d * kGroupRows);
+        L.dkall = take((keys + P::kKeyPad) * L.ldq);
+        L.dvall = take((keys + P::kKeyPad) * L.ldo);
+        L.dqT = take(P::dq_features(p.d) * kGroupRows);
         L.lse2 = take(kGroupRows);
         L.delta = take(kGroupRows);
         L.slope = take(kGroupRows);
@@ -242,13 +247,13 @@ struct BackwardLoop {
                         Dv, p.v_dim_stride, dt);
             P::pack_key(ops, c, krow, vrow, D, Dv);
         }
-        for (int64_t x = 0; x < nkeys * ldq; ++x) dkall[x] = 0.f;
-        for (int64_t x = 0; x < nkeys * ldo; ++x) dvall[x] = 0.f;
+        for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldq; ++x) dkall[x] = 0.f;
+        for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldo; ++x) dvall[x] = 0.f;
         if (it.part < 0) zero_dq_outside(bp, it);
 
         for (int64_t g0 = 0; g0 < R; g0 += kGroupRows) {
             const int64_t GRr = R - g0 < kGroupRows ? R - g0 : kGroupRows;  // real rows of the group
-            const int64_t M = round_up(GRr, W);
+            const int64_t M = round_up(GRr, P::kRowAlign);
             // Rows: pack Q and dO, D_i, log2 LSE, visible ranges, alibi.
             int64_t glo = it.ke, ghi = it.kb - 1;
             for (int64_t r = 0; r < M; ++r) {
@@ -283,7 +288,7 @@ struct BackwardLoop {
                 diagonal[r] = nk + (i - nq);
                 slope[r] = p.alibi ? -p.alibi[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e : 0.f;
             }
-            for (int64_t x = 0; x < D * round_up(M, RB); ++x) dqT[x] = 0.f;
+            for (int64_t x = 0; x < P::dq_features(D) * round_up(M, RB); ++x) dqT[x] = 0.f;
 
             for (int64_t c0 = glo; c0 <= ghi; c0 += BC) {
                 const int64_t nc = ghi + 1 - c0 < BC ? ghi + 1 - c0 : BC;
@@ -356,18 +361,18 @@ struct BackwardLoop {
     static void store_dq(const BackwardParams& bp, const BackwardItem& it, int64_t g0, int64_t rows, const float* dqT,
                          float* dq_part) {
         const Params& p = bp.f;
-        const int64_t D = p.d, group = p.hq / p.hk, nqi = it.i1 - it.i0;
+        const int64_t D = p.d, Dq = P::dq_features(D), group = p.hq / p.hk, nqi = it.i1 - it.i0;
         if (it.part >= 0) {
             float* out = dq_part + it.part + g0 * D;
             for (int64_t r = 0; r < rows; ++r)
-                for (int64_t d = 0; d < D; ++d) out[r * D + d] = dqT[panel(r, D, d)];
+                for (int64_t d = 0; d < D; ++d) out[r * D + d] = dqT[panel(r, Dq, d)];
             return;
         }
         const DType dt = DType(p.dtype);
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
             const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
-            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, dqT[panel(r, D, d)], dt);
+            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, dqT[panel(r, Dq, d)], dt);
         }
     }
     // Zero dq rows of the item's kv head that see none of its keys (it owns that head's dq).
