@@ -92,7 +92,10 @@ inline void tile_gemm(const uint16_t* a, int64_t lda, const uint16_t* a_last, in
 
 struct AmxProducts {
     static constexpr int W = 16;
-    static constexpr int RB = V512::RV * W;  // 96 rows: 3 x 32-row tile pairs
+#ifndef FA2CPU_AMX_BWD_RB
+#define FA2CPU_AMX_BWD_RB 96
+#endif
+    static constexpr int RB = FA2CPU_AMX_BWD_RB;  // 96 rows: 3 x 32-row tile pairs
     static constexpr int64_t BC = V512::BC;
     static constexpr int64_t kGroupRows = V512::MAX_ROWS;
     static constexpr int64_t kRowAlign = 32, kFeatureAlign = 32, kKeyPad = 32;
@@ -100,7 +103,7 @@ struct AmxProducts {
     static_assert(RB % 32 == 0 && kGroupRows % RB == 0 && BC % 32 == 0, "whole 2 x 2 tile blocks");
 
     struct Bufs {
-        uint16_t *kr, *vr, *kT, *ktail, *pT, *dsT;
+        uint16_t *kr, *vr, *kT, *ktail, *pT, *dsT, *qs, *dos;
         uint32_t *qp, *dop, *qrp, *dorp, *dsp;
         int64_t keys, ldq, ldo, ldkt;  // ldq / ldo: D / Dv rounded up to 32 (dkall / dvall too)
     };
@@ -109,6 +112,8 @@ struct AmxProducts {
     // qp [ldq/2][GR], dop [ldo/2][GR]: Q / dO pairs along features (B of S, dP)
     // qrp [GR/2][ldq], dorp [GR/2][ldo]: Q / dO pairs of rows (B of dK, dV)
     // pT, dsT [BC][RB] bf16: P^T, dS^T of the row block (A of dV, dK); dsp [BC/2][RB]: dS key pairs
+    // qs [GR][ldq], dos [GR][ldo]: the group's Q / dO rows in bf16 (pack_row), which finish_rows
+    //   turns into the four pair layouts by 16 x 16 transposes and row-pair interleaves
     static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
         Bufs x;
         x.ldq = round_up(p.d, 32);
@@ -129,6 +134,8 @@ struct AmxProducts {
         x.qrp = pairs(kGroupRows / 2 * x.ldq);
         x.dorp = pairs(kGroupRows / 2 * x.ldo);
         x.dsp = pairs(BC / 2 * RB);
+        x.qs = halves(kGroupRows * x.ldq);
+        x.dos = halves(kGroupRows * x.ldo);
         *floats = c.used;
         return x;
     }
@@ -148,26 +155,45 @@ struct AmxProducts {
         }
         for (int64_t j = 0; j < x.ldo; ++j) x.vr[c * x.ldo + j] = j < Dv ? f32_to_bf16(v[j]) : 0;
     }
-    static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
-    // Row r of the group in both pair layouts (q / dO null: a padding row of zeros).
+    // Row r of the group into the bf16 staging rows (q / dO null: a padding row of zeros).
     static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
-        pack_feature_pairs(x.qp, x.ldq, r, q, D);
-        pack_feature_pairs(x.dop, x.ldo, r, dO, Dv);
-        pack_row_pairs(x.qrp, x.ldq, r, q, D);
-        pack_row_pairs(x.dorp, x.ldo, r, dO, Dv);
+        to_bf16(x.qs + r * x.ldq, x.ldq, q, D);
+        to_bf16(x.dos + r * x.ldo, x.ldo, dO, Dv);
     }
-    // Column r of a [ld/2][GR] panel of feature pairs.
-    static void pack_feature_pairs(uint32_t* panel_pairs, int64_t ld, int64_t r, const float* row, int64_t n) {
-        for (int64_t t = 0; t < ld / 2; ++t) {
-            const uint16_t lo = row && 2 * t < n ? f32_to_bf16(row[2 * t]) : 0;
-            const uint16_t hi = row && 2 * t + 1 < n ? f32_to_bf16(row[2 * t + 1]) : 0;
-            panel_pairs[t * kGroupRows + r] = pair(lo, hi);
+    static void to_bf16(uint16_t* dst, int64_t ld, const float* row, int64_t n) {
+        int64_t j = 0;
+        if (row) {
+            for (; j < n; j += 16) {
+                const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+                const __m512 f = _mm512_maskz_loadu_ps(m, row + j);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(f));
+            }
         }
+        for (; j < ld; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm256_setzero_si256());
     }
-    // Half (r & 1) of pair (r / 2, j) of a [GR/2][ld] row-pair panel: row r's feature j.
-    static void pack_row_pairs(uint32_t* panel_pairs, int64_t ld, int64_t r, const float* row, int64_t n) {
-        uint16_t* h = reinterpret_cast<uint16_t*>(panel_pairs + (r / 2) * ld) + (r & 1);
-        for (int64_t j = 0; j < ld; ++j) h[2 * j] = row && j < n ? f32_to_bf16(row[j]) : 0;
+    // The M staged rows (M a multiple of 32) into the pair layouts.
+    static void finish_rows(Bufs& x, int64_t M, int64_t, int64_t) {
+        to_pairs(x.qs, x.ldq, M, x.qp, x.qrp);
+        to_pairs(x.dos, x.ldo, M, x.dop, x.dorp);
+    }
+    // rows [M][ld] bf16 -> fp [ld/2][GR] feature pairs (row i's uint32 pairs are column i: 16 x 16
+    // transposes) and rp [M/2][ld] row pairs (rows 2p, 2p+1 interleaved per feature).
+    static void to_pairs(const uint16_t* rows, int64_t ld, int64_t M, uint32_t* fp, uint32_t* rp) {
+        const uint32_t* r32 = reinterpret_cast<const uint32_t*>(rows);
+        const int64_t ld2 = ld / 2;
+        for (int64_t r0 = 0; r0 < M; r0 += 16)
+            for (int64_t t0 = 0; t0 < ld2; t0 += 16) {
+                __m512i v[16];
+                for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(r32 + (r0 + i) * ld2 + t0);
+                transpose16x16_epi32(v);
+                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(fp + (t0 + i) * kGroupRows + r0, v[i]);
+            }
+        for (int64_t p = 0; p < M / 2; ++p)
+            for (int64_t j = 0; j < ld; j += 16) {
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * p * ld + j)));
+                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * p + 1) * ld + j)));
+                _mm512_storeu_si512(rp + p * ld + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
     }
 
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t, int64_t, float* s, float* dp) {

@@ -121,6 +121,7 @@ struct F32Products {
         for (int64_t d = 0; d < D; ++d) x.qT[panel(r, D, d)] = qd[d];
         for (int64_t j = 0; j < Dv; ++j) x.doT[panel(r, Dv, j)] = od[j];
     }
+    static void finish_rows(Bufs&, int64_t, int64_t, int64_t) {}  // pack_row did all
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t D, int64_t Dv, float* s, float* dp) {
         G::qk_nv(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
         G::qk_nv(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
@@ -272,9 +273,7 @@ struct BackwardLoop {
                 V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
                 V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
                 P::pack_row(ops, r, qrow, od, D, Dv);
-                float dsum = 0.f;
-                for (int64_t j = 0; j < Dv; ++j) dsum += od[j] * orow[j];
-                delta[r] = dsum;
+                delta[r] = row_dot(od, orow, Dv);
                 const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
                 lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
                 int64_t lo, hi;
@@ -288,6 +287,7 @@ struct BackwardLoop {
                 diagonal[r] = nk + (i - nq);
                 slope[r] = p.alibi ? -p.alibi[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e : 0.f;
             }
+            P::finish_rows(ops, M, D, Dv);
             for (int64_t x = 0; x < P::dq_features(D) * round_up(M, RB); ++x) dqT[x] = 0.f;
 
             for (int64_t c0 = glo; c0 <= ghi; c0 += BC) {
@@ -315,6 +315,19 @@ struct BackwardLoop {
             for (int64_t d = 0; d < D; ++d) store_scalar(bp.dk, k_at + d * bp.dk_dim_stride, dkall[c * ldq + d], dt);
             for (int64_t j = 0; j < Dv; ++j) store_scalar(bp.dv, v_at + j * bp.dv_dim_stride, dvall[c * ldo + j], dt);
         }
+    }
+
+    // D_i = sum_j dO[j] O[j]: W lanes of partial sums (then in lane order), the tail one by one.
+    static float row_dot(const float* a, const float* b, int64_t n) {
+        vec acc = V::zero();
+        int64_t j = 0;
+        for (; j + W <= n; j += W) acc = V::fma(V::load(a + j), V::load(b + j), acc);
+        alignas(64) float lanes[W];
+        V::store(lanes, acc);
+        float sum = 0.f;
+        for (int l = 0; l < W; ++l) sum += lanes[l];
+        for (; j < n; ++j) sum += a[j] * b[j];
+        return sum;
     }
 
     // S, dP of a row block (keys [cb, cb + n)) -> P (in s) and dS (in dp), dS already carrying the
