@@ -201,17 +201,22 @@ struct AmxProducts {
         tile_gemm<false>(x.kr + ck * x.ldq, x.ldq, nullptr, 0, x.qp + r0, kGroupRows, x.ldq / 2, np, rows, s, RB);
         tile_gemm<false>(x.vr + ck * x.ldo, x.ldo, nullptr, 0, x.dop + r0, kGroupRows, x.ldo / 2, np, rows, dp, RB);
     }
-    static void updates(Bufs& x, int nv, int64_t r0, int64_t, int64_t ck, int64_t n, int64_t, const float* s,
+    // P^T and dS^T of key c straight from the softmax gradient as bf16 rows; dS also in float32
+    // (dp) for its key pairs. P in float32 (s) is not needed.
+    static void store_gradients(Bufs& x, int64_t at, float*, float* dpp, __m512 pr, __m512 ds) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), (__m256i)_mm512_cvtneps_pbh(pr));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), (__m256i)_mm512_cvtneps_pbh(ds));
+        _mm512_storeu_ps(dpp, ds);
+    }
+    static void updates(Bufs& x, int nv, int64_t r0, int64_t, int64_t ck, int64_t n, int64_t, const float*,
                         const float* dp, float* dkall, float* dvall, float* dqT) {
         const int64_t np = round_up(n, 32), rows = nv * W;
-        // P^T, dS^T as bf16 rows of keys, dS as pairs of keys; zero past n.
-        for (int64_t c = 0; c < np; ++c)
+        // P^T, dS^T (store_gradients) zero past n; dS as pairs of keys.
+        for (int64_t c = n; c < np; ++c)
             for (int v = 0; v < nv; ++v) {
                 const int64_t at = c * RB + v * W;
-                const __m256i pb = c < n ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + at)) : _mm256_setzero_si256();
-                const __m256i db = c < n ? (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(dp + at)) : _mm256_setzero_si256();
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), pb);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), db);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), _mm256_setzero_si256());
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), _mm256_setzero_si256());
             }
         const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);

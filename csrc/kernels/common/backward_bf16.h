@@ -168,6 +168,10 @@ struct Bf16Products {
     }
 
     static void finish_rows(Bufs&, int64_t, int64_t, int64_t) {}  // pack_row did all
+    static void store_gradients(Bufs&, int64_t, float* sp, float* dpp, __m512 pr, __m512 ds) {
+        _mm512_storeu_ps(sp, pr);
+        _mm512_storeu_ps(dpp, ds);
+    }
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t, int64_t, float* s, float* dp) {
         PairGemm::run<false>(nv, n, x.qp + r0, kGroupRows, x.kb + ck * 2 * x.d2, 2 * x.d2, x.d2, false, s, RB);
         PairGemm::run<false>(nv, n, x.dop + r0, kGroupRows, x.vb + ck * 2 * x.dv2, 2 * x.dv2, x.dv2, false, dp, RB);

@@ -122,6 +122,11 @@ struct F32Products {
         for (int64_t j = 0; j < Dv; ++j) x.doT[panel(r, Dv, j)] = od[j];
     }
     static void finish_rows(Bufs&, int64_t, int64_t, int64_t) {}  // pack_row did all
+    // P and dS of one vector of rows of key c (at = c * RB + row lane) into s / dp.
+    static void store_gradients(Bufs&, int64_t, float* sp, float* dpp, typename V::vec pr, typename V::vec ds) {
+        V::store(sp, pr);
+        V::store(dpp, ds);
+    }
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t D, int64_t Dv, float* s, float* dp) {
         G::qk_nv(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
         G::qk_nv(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
@@ -303,7 +308,7 @@ struct BackwardLoop {
                     const int64_t n = ce - cb, ck = cb - it.kb;  // ck: index of key cb in the item's arrays
                     const bool range_mask = bk.lo_max > cb || bk.hi_min < ce - 1;
                     P::scores(ops, nv, r0, ck, n, D, Dv, s, dp);
-                    gradients(p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
+                    gradients(ops, p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
                     P::updates(ops, nv, r0, rend - r0, ck, n, D, s, dp, dkall, dvall, dqT);
                 }
             }
@@ -333,7 +338,7 @@ struct BackwardLoop {
     // S, dP of a row block (keys [cb, cb + n)) -> P (in s) and dS (in dp), dS already carrying the
     // score scale (and softcap's 1 - tanh^2): dQ and dK need no final scaling. Invisible keys get
     // exactly 0 in both, whatever the scores (NaN or inf in a hidden key stays out).
-    static void gradients(const Params& p, int nv, int64_t r0, int64_t cb, int64_t n, bool range_mask,
+    static void gradients(typename P::Bufs& ops, const Params& p, int nv, int64_t r0, int64_t cb, int64_t n, bool range_mask,
                           const int64_t* first_key, const int64_t* last_key, const int64_t* diagonal,
                           const float* slope, const float* lse2, const float* delta, float* s, float* dp) {
         const bool use_softcap = p.softcap > 0.f, alibi = p.alibi != nullptr;
@@ -363,8 +368,7 @@ struct BackwardLoop {
                     pr = V::mask_outside(pr, kc, lo, hi, zero);
                     ds = V::mask_outside(ds, kc, lo, hi, zero);
                 }
-                V::store(sp, pr);
-                V::store(dpp, ds);
+                P::store_gradients(ops, c * RB + v * W, sp, dpp, pr, ds);
             }
         }
     }
