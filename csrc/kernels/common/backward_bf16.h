@@ -1,4 +1,5 @@
-// bfloat16 products of the backward for the families with AVX512_BF16 (avx512bf16, amx):
+// bfloat16 products of the backward on vdpbf16ps, for the avx512bf16 family (amx has AMX tiles,
+// backward_amx.h):
 // BackwardLoop<V512, Bf16Products> (backward_loop.h: the same items, row groups, key tiles and
 // softmax gradient as float32) with all five tile products on vdpbf16ps, accumulating in float32.
 // vdpbf16ps(acc, a, b) adds a[2i]*b[2i] + a[2i+1]*b[2i+1] to float32 lane i, so each product

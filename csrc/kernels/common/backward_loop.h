@@ -2,10 +2,11 @@
 // family with its vector traits V (V512 in vec_avx512.h, V256 in avx2.cpp, VGeneric in
 // generic.cpp) and a products policy P: F32Products<V> below (float32 micro-kernels of F32Gemm<V>;
 // bf16/fp16 converted while packing) for every family and dtype, except bf16 on the avx512bf16
-// family, which runs Bf16Products (backward_bf16.h, vdpbf16ps). The amx family keeps float32 for
-// bf16: on its Intel cores vdpbf16ps runs at half the float32 FMA rate (measured 66 vs 120
-// GFLOP/s per core on the AMX dev VM, and this backward 43 vs ~60 GFLOP/s); AMX tile products
-// are the next step.
+// family, which runs Bf16Products (backward_bf16.h, vdpbf16ps), and bf16 on the amx family, which
+// runs AmxProducts (backward_amx.h, AMX tiles; vdpbf16ps runs at half the float32 FMA rate on
+// Intel cores, tdpbf16ps at ~13x). A policy also states the padding its operands need
+// (kRowAlign, kFeatureAlign, kKeyPad, dq_features), its row block RB, and may stage rows
+// (pack_row, then finish_rows once per group) and store P / dS its own way (store_gradients).
 //
 // Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
 // [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
@@ -33,7 +34,7 @@
 //   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys, ldq / ldo =
 //                   D / Dv rounded up to W
 //   per row group (GR = kGroupRows rows, in row blocks of RB = RV*W rows):
-//   dqT panels [D][RB]   dQ^T accumulator (dQ^T += K^T dS^T, the forward's pv micro-kernel)
+//   dqT panels [Dq][RB]  dQ^T accumulator (dQ^T += K^T dS^T), Dq = P::dq_features(D)
 //   lse2, delta, slope [GR]: log2-domain LSE (+inf: the row contributes nothing), D_i =
 //                        rowsum(dO o O), alibi slope * log2(e)
 //   first_key, last_key, diagonal [GR] int64: visible keys of the row within [kb, ke), its diagonal
