@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/backward_amx.h"
 #include "common/gemm_bf16.h"
 #include "common/gemm_decode.h"
 #include "common/gemm_f32.h"
@@ -252,7 +253,7 @@ double peak(int dtype, double seconds) {
 }  // namespace
 
 extern const KernelTable kTable_amx =
-    make_table(&peak, BackwardRoute<BackwardLoop<V512>>(),
+    make_table(&peak, BackwardRoute<AmxBackward>(),
                Avx512DecodeRoute::route("decode"), TileRoute<AmxLoop, Bf16Rows<kMinAmxRows>>::route("amx"),
                TileRoute<TileLoop<V512, Bf16Gemm<V512>>, Bf16Input>::route("bf16"),
                TileRoute<TileLoop<V512, F32Gemm<V512>>>::route("f32"));

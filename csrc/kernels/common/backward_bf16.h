@@ -1,4 +1,5 @@
-// bfloat16 products of the backward for the families with AVX512_BF16 (avx512bf16, amx):
+// bfloat16 products of the backward on vdpbf16ps, for the avx512bf16 family (amx has AMX tiles,
+// backward_amx.h):
 // BackwardLoop<V512, Bf16Products> (backward_loop.h: the same items, row groups, key tiles and
 // softmax gradient as float32) with all five tile products on vdpbf16ps, accumulating in float32.
 // vdpbf16ps(acc, a, b) adds a[2i]*b[2i] + a[2i+1]*b[2i+1] to float32 lane i, so each product
@@ -106,6 +107,8 @@ struct Bf16Products {
     static constexpr int RB = G::RB;
     static constexpr int64_t BC = V512::BC;
     static constexpr int64_t kGroupRows = V512::MAX_ROWS;
+    static constexpr int64_t kRowAlign = W, kFeatureAlign = W, kKeyPad = 0;  // backward_loop.h F32Products
+    static int64_t dq_features(int64_t D) { return D; }
     static_assert(RB % 2 == 0 && kGroupRows % 2 == 0, "row pairs never straddle a row block");
 
     struct Bufs {
@@ -165,6 +168,11 @@ struct Bf16Products {
         for (int64_t j = 0; j < ld; ++j) h[2 * j] = row && j < n ? f32_to_bf16(row[j]) : 0;
     }
 
+    static void finish_rows(Bufs&, int64_t, int64_t, int64_t) {}  // pack_row did all
+    static void store_gradients(Bufs&, int64_t, float* sp, float* dpp, __m512 pr, __m512 ds) {
+        _mm512_storeu_ps(sp, pr);
+        _mm512_storeu_ps(dpp, ds);
+    }
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t, int64_t, float* s, float* dp) {
         PairGemm::run<false>(nv, n, x.qp + r0, kGroupRows, x.kb + ck * 2 * x.d2, 2 * x.d2, x.d2, false, s, RB);
         PairGemm::run<false>(nv, n, x.dop + r0, kGroupRows, x.vb + ck * 2 * x.dv2, 2 * x.dv2, x.dv2, false, dp, RB);

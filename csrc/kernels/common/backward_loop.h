@@ -2,10 +2,11 @@
 // family with its vector traits V (V512 in vec_avx512.h, V256 in avx2.cpp, VGeneric in
 // generic.cpp) and a products policy P: F32Products<V> below (float32 micro-kernels of F32Gemm<V>;
 // bf16/fp16 converted while packing) for every family and dtype, except bf16 on the avx512bf16
-// family, which runs Bf16Products (backward_bf16.h, vdpbf16ps). The amx family keeps float32 for
-// bf16: on its Intel cores vdpbf16ps runs at half the float32 FMA rate (measured 66 vs 120
-// GFLOP/s per core on the AMX dev VM, and this backward 43 vs ~60 GFLOP/s); AMX tile products
-// are the next step.
+// family, which runs Bf16Products (backward_bf16.h, vdpbf16ps), and bf16 on the amx family, which
+// runs AmxProducts (backward_amx.h, AMX tiles; vdpbf16ps runs at half the float32 FMA rate on
+// Intel cores, tdpbf16ps at ~13x). A policy also states the padding its operands need
+// (kRowAlign, kFeatureAlign, kKeyPad, dq_features), its row block RB, and may stage rows
+// (pack_row, then finish_rows once per group) and store P / dS its own way (store_gradients).
 //
 // Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
 // [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
@@ -33,7 +34,7 @@
 //   dkall [nkeys][ldq], dvall [nkeys][ldo]: dK / dV accumulators of the item's keys, ldq / ldo =
 //                   D / Dv rounded up to W
 //   per row group (GR = kGroupRows rows, in row blocks of RB = RV*W rows):
-//   dqT panels [D][RB]   dQ^T accumulator (dQ^T += K^T dS^T, the forward's pv micro-kernel)
+//   dqT panels [Dq][RB]  dQ^T accumulator (dQ^T += K^T dS^T), Dq = P::dq_features(D)
 //   lse2, delta, slope [GR]: log2-domain LSE (+inf: the row contributes nothing), D_i =
 //                        rowsum(dO o O), alibi slope * log2(e)
 //   first_key, last_key, diagonal [GR] int64: visible keys of the row within [kb, ke), its diagonal
@@ -73,6 +74,11 @@ struct F32Products {
     static constexpr int W = V::W;
     static constexpr int RB = G::RB;
     static constexpr int64_t kGroupRows = V::MAX_ROWS;
+    // Padding the loop gives this policy's operands (backward_amx.h's tiles need more): rows of a
+    // group rounded up to kRowAlign, dK / dV rows (ldq / ldo) to kFeatureAlign, dK / dV kKeyPad
+    // keys longer than the item, dQ^T panels of dq_features(D) features.
+    static constexpr int64_t kRowAlign = W, kFeatureAlign = W, kKeyPad = 0;
+    static int64_t dq_features(int64_t D) { return D; }
     // Accumulator registers of the forward's micro-tiles (RV x NK): the dV/dK micro-kernel keeps
     // as many, NJ feature vectors x kAcc/NJ keys (V512: 4 x 6 at D = 128, + 4 loads + 1 broadcast).
     static constexpr int kAcc = V::RV * V::NK;
@@ -115,6 +121,12 @@ struct F32Products {
         for (int64_t j = 0; j < x.ldo; ++j) od[j] = dO && j < Dv ? dO[j] : 0.f;
         for (int64_t d = 0; d < D; ++d) x.qT[panel(r, D, d)] = qd[d];
         for (int64_t j = 0; j < Dv; ++j) x.doT[panel(r, Dv, j)] = od[j];
+    }
+    static void finish_rows(Bufs&, int64_t, int64_t, int64_t) {}  // pack_row did all
+    // P and dS of one vector of rows of key c (at = c * RB + row lane) into s / dp.
+    static void store_gradients(Bufs&, int64_t, float* sp, float* dpp, typename V::vec pr, typename V::vec ds) {
+        V::store(sp, pr);
+        V::store(dpp, ds);
     }
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t D, int64_t Dv, float* s, float* dp) {
         G::qk_nv(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
@@ -167,12 +179,12 @@ template <class V, class P = F32Products<V>>
 struct BackwardLoop {
     using vec = typename V::vec;
     static constexpr int W = V::W;
-    static constexpr int RV = F32Gemm<V>::RV;   // row vectors per row block
-    static constexpr int RB = F32Gemm<V>::RB;   // rows per row block
+    static constexpr int RB = P::RB;            // rows per row block
+    static constexpr int RV = RB / W;           // row vectors per row block
     static constexpr int64_t BC = F32Gemm<V>::BC;
-    static constexpr int64_t kGroupRows = V::MAX_ROWS;
-    static_assert(kGroupRows % RB == 0, "row groups are whole row blocks");
-    static_assert(P::RB == RB && P::kGroupRows == kGroupRows, "one row blocking for loop and products");
+    static constexpr int64_t kGroupRows = P::kGroupRows;
+    static_assert(RB % W == 0 && kGroupRows % RB == 0, "row groups are whole row blocks of whole vectors");
+    static_assert(P::kRowAlign % W == 0 && RB % P::kRowAlign == 0, "padded rows stay whole vectors of a block");
 
     struct Layout {
         int64_t ldq, ldo;
@@ -181,16 +193,16 @@ struct BackwardLoop {
     static Layout layout(const BackwardParams& bp, int64_t keys) {
         const Params& p = bp.f;
         Layout L;
-        L.ldq = round_up(p.d, W);
-        L.ldo = round_up(p.dv, W);
+        L.ldq = round_up(p.d, P::kFeatureAlign);
+        L.ldo = round_up(p.dv, P::kFeatureAlign);
         int64_t o = 0;
         auto take = [&](int64_t n) { int64_t at = o; o += round_up(n, 16); return at; };
         int64_t ops_floats = 0;
         P::carve(p, keys, nullptr, &ops_floats);
         L.ops = take(ops_floats);
-        L.dkall = take(keys * L.ldq);
-        L.dvall = take(keys * L.ldo);
-        L.dqT = take(p.d * kGroupRows);
+        L.dkall = take((keys + P::kKeyPad) * L.ldq);
+        L.dvall = take((keys + P::kKeyPad) * L.ldo);
+        L.dqT = take(P::dq_features(p.d) * kGroupRows);
         L.lse2 = take(kGroupRows);
         L.delta = take(kGroupRows);
         L.slope = take(kGroupRows);
@@ -242,13 +254,13 @@ struct BackwardLoop {
                         Dv, p.v_dim_stride, dt);
             P::pack_key(ops, c, krow, vrow, D, Dv);
         }
-        for (int64_t x = 0; x < nkeys * ldq; ++x) dkall[x] = 0.f;
-        for (int64_t x = 0; x < nkeys * ldo; ++x) dvall[x] = 0.f;
+        for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldq; ++x) dkall[x] = 0.f;
+        for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldo; ++x) dvall[x] = 0.f;
         if (it.part < 0) zero_dq_outside(bp, it);
 
         for (int64_t g0 = 0; g0 < R; g0 += kGroupRows) {
             const int64_t GRr = R - g0 < kGroupRows ? R - g0 : kGroupRows;  // real rows of the group
-            const int64_t M = round_up(GRr, W);
+            const int64_t M = round_up(GRr, P::kRowAlign);
             // Rows: pack Q and dO, D_i, log2 LSE, visible ranges, alibi.
             int64_t glo = it.ke, ghi = it.kb - 1;
             for (int64_t r = 0; r < M; ++r) {
@@ -267,9 +279,7 @@ struct BackwardLoop {
                 V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
                 V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
                 P::pack_row(ops, r, qrow, od, D, Dv);
-                float dsum = 0.f;
-                for (int64_t j = 0; j < Dv; ++j) dsum += od[j] * orow[j];
-                delta[r] = dsum;
+                delta[r] = row_dot(od, orow, Dv);
                 const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
                 lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
                 int64_t lo, hi;
@@ -283,7 +293,8 @@ struct BackwardLoop {
                 diagonal[r] = nk + (i - nq);
                 slope[r] = p.alibi ? -p.alibi[b * p.alibi_batch_stride + h * p.alibi_head_stride] * kLog2e : 0.f;
             }
-            for (int64_t x = 0; x < D * round_up(M, RB); ++x) dqT[x] = 0.f;
+            P::finish_rows(ops, M, D, Dv);
+            for (int64_t x = 0; x < P::dq_features(D) * round_up(M, RB); ++x) dqT[x] = 0.f;
 
             for (int64_t c0 = glo; c0 <= ghi; c0 += BC) {
                 const int64_t nc = ghi + 1 - c0 < BC ? ghi + 1 - c0 : BC;
@@ -298,7 +309,7 @@ struct BackwardLoop {
                     const int64_t n = ce - cb, ck = cb - it.kb;  // ck: index of key cb in the item's arrays
                     const bool range_mask = bk.lo_max > cb || bk.hi_min < ce - 1;
                     P::scores(ops, nv, r0, ck, n, D, Dv, s, dp);
-                    gradients(p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
+                    gradients(ops, p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
                     P::updates(ops, nv, r0, rend - r0, ck, n, D, s, dp, dkall, dvall, dqT);
                 }
             }
@@ -312,10 +323,23 @@ struct BackwardLoop {
         }
     }
 
+    // D_i = sum_j dO[j] O[j]: W lanes of partial sums (then in lane order), the tail one by one.
+    static float row_dot(const float* a, const float* b, int64_t n) {
+        vec acc = V::zero();
+        int64_t j = 0;
+        for (; j + W <= n; j += W) acc = V::fma(V::load(a + j), V::load(b + j), acc);
+        alignas(64) float lanes[W];
+        V::store(lanes, acc);
+        float sum = 0.f;
+        for (int l = 0; l < W; ++l) sum += lanes[l];
+        for (; j < n; ++j) sum += a[j] * b[j];
+        return sum;
+    }
+
     // S, dP of a row block (keys [cb, cb + n)) -> P (in s) and dS (in dp), dS already carrying the
     // score scale (and softcap's 1 - tanh^2): dQ and dK need no final scaling. Invisible keys get
     // exactly 0 in both, whatever the scores (NaN or inf in a hidden key stays out).
-    static void gradients(const Params& p, int nv, int64_t r0, int64_t cb, int64_t n, bool range_mask,
+    static void gradients(typename P::Bufs& ops, const Params& p, int nv, int64_t r0, int64_t cb, int64_t n, bool range_mask,
                           const int64_t* first_key, const int64_t* last_key, const int64_t* diagonal,
                           const float* slope, const float* lse2, const float* delta, float* s, float* dp) {
         const bool use_softcap = p.softcap > 0.f, alibi = p.alibi != nullptr;
@@ -345,8 +369,7 @@ struct BackwardLoop {
                     pr = V::mask_outside(pr, kc, lo, hi, zero);
                     ds = V::mask_outside(ds, kc, lo, hi, zero);
                 }
-                V::store(sp, pr);
-                V::store(dpp, ds);
+                P::store_gradients(ops, c * RB + v * W, sp, dpp, pr, ds);
             }
         }
     }
@@ -356,18 +379,18 @@ struct BackwardLoop {
     static void store_dq(const BackwardParams& bp, const BackwardItem& it, int64_t g0, int64_t rows, const float* dqT,
                          float* dq_part) {
         const Params& p = bp.f;
-        const int64_t D = p.d, group = p.hq / p.hk, nqi = it.i1 - it.i0;
+        const int64_t D = p.d, Dq = P::dq_features(D), group = p.hq / p.hk, nqi = it.i1 - it.i0;
         if (it.part >= 0) {
             float* out = dq_part + it.part + g0 * D;
             for (int64_t r = 0; r < rows; ++r)
-                for (int64_t d = 0; d < D; ++d) out[r * D + d] = dqT[panel(r, D, d)];
+                for (int64_t d = 0; d < D; ++d) out[r * D + d] = dqT[panel(r, Dq, d)];
             return;
         }
         const DType dt = DType(p.dtype);
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
             const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
-            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, dqT[panel(r, D, d)], dt);
+            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, dqT[panel(r, Dq, d)], dt);
         }
     }
     // Zero dq rows of the item's kv head that see none of its keys (it owns that head's dq).

@@ -1,0 +1,269 @@
+// bfloat16 products of the backward on AMX tiles (family amx): BackwardLoop<V512, AmxProducts>
+// (backward_loop.h: the same items, row groups, key tiles and softmax gradient as every family)
+// with all five tile products in tdpbf16ps, accumulating in float32 tiles. Every product is one
+// shape, C[i][j] (+)= sum_t A[i][2t..2t+1] . B[t][j] (tile_gemm below): A bf16 rows (16 x 32
+// bf16 per tile), B bf16 pairs along the reduction (16 pairs x 16 columns, one uint32 a pair,
+// low half first: the "VNNI" layout), C float32 (16 x 16), on 2 x 2 blocks of C tiles:
+//
+//   product            C (i x j)            A (i rows, reduction along)    B (pairs x j)
+//   S^T  = K Q^T       s [keys][RB]         kr  [keys][ldq]  K rows        qp   [ldq/2][GR] Q pairs
+//   dP^T = V dO^T      dp [keys][RB]        vr  [keys][ldo]  V rows        dop  [ldo/2][GR] dO pairs
+//   dV  += P^T dO      dvall [keys][ldo]    pT  [BC][RB]     P^T (bf16)    dorp [GR/2][ldo] dO row pairs
+//   dK  += dS^T Q      dkall [keys][ldq]    dsT [BC][RB]     dS^T (bf16)   qrp  [GR/2][ldq] Q row pairs
+//   dQ^T += K^T dS^T   dqT [ldq][RB]        kT  [ldq][ldkt]  K^T           dsp  [BC/2][RB]  dS key pairs
+//
+// Padding (BackwardLoop gives it: kRowAlign, kFeatureAlign, kKeyPad, dq_features): rows of a group
+// to 32 (zero Q / dO rows, P = dS = 0), D and Dv to 32 (ldq, ldo; zero features), the keys of a
+// tile to 32 (np): S / dP of keys past n are computed and ignored, P^T / dS^T / dS rows past n are
+// zero, so dK / dV of the next keys (or of the kKeyPad padding rows) get exact zeros. K^T columns
+// past the item are zero; a partial last 32-key step of dQ^T reads a zero-padded copy of its K^T
+// columns (ktail), so a key outside the tile (maybe inf or NaN) never meets a zero dS pair.
+//
+// P and dS are rounded to bf16 (round to nearest even) only as operands of dV, dK and dQ, as
+// FlashAttention-2 does and as backward_bf16.h does; S, dP, P, dS, D_i and every accumulator stay
+// float32. Inputs are bf16 already, so packing them is exact. The tile order of every product is
+// fixed by the shapes, so results do not depend on the thread count.
+//
+// Tiles are configured per item (one configuration: 8 tiles of 16 rows x 64 bytes; tmm0-3 C,
+// tmm4-5 A, tmm6-7 B) and released after it. float32 and float16 inputs keep BackwardLoop<V512>.
+#pragma once
+#include <immintrin.h>
+
+#include "backward_loop.h"
+#include "vec_avx512.h"
+
+namespace fa2cpu {
+namespace {
+
+struct BackwardTileConfig {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+inline void configure_backward_tiles() {
+    BackwardTileConfig cfg;
+    std::memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+}
+
+// C[i][j] (+)= sum_{t < pairs} A[i][2t] B[t][j].lo + A[i][2t+1] B[t][j].hi for i < m, j < n
+// (m, n multiples of 32, pairs of 16). a: bf16 rows of stride lda elements; b: uint32 pairs of
+// stride ldb; c: float32 of stride ldc. a_last (stride lda_last, when not null) replaces a's
+// columns of the last 16-pair step.
+template <bool kAccumulate>
+inline void tile_gemm(const uint16_t* a, int64_t lda, const uint16_t* a_last, int64_t lda_last, const uint32_t* b,
+                      int64_t ldb, int64_t pairs, int64_t m, int64_t n, float* c, int64_t ldc) {
+    const int64_t last = pairs - 16;
+    for (int64_t i = 0; i < m; i += 32) {
+        for (int64_t j = 0; j < n; j += 32) {
+            float* c0 = c + i * ldc + j;
+            float* c1 = c + (i + 16) * ldc + j;
+            if (kAccumulate) {
+                _tile_loadd(0, c0, ldc * 4);
+                _tile_loadd(1, c0 + 16, ldc * 4);
+                _tile_loadd(2, c1, ldc * 4);
+                _tile_loadd(3, c1 + 16, ldc * 4);
+            } else {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            }
+            for (int64_t t = 0; t < pairs; t += 16) {
+                if (a_last && t == last) {
+                    _tile_loadd(4, a_last + i * lda_last, lda_last * 2);
+                    _tile_loadd(5, a_last + (i + 16) * lda_last, lda_last * 2);
+                } else {
+                    _tile_loadd(4, a + i * lda + 2 * t, lda * 2);
+                    _tile_loadd(5, a + (i + 16) * lda + 2 * t, lda * 2);
+                }
+                _tile_loadd(6, b + t * ldb + j, ldb * 4);
+                _tile_loadd(7, b + t * ldb + j + 16, ldb * 4);
+                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c0, ldc * 4);
+            _tile_stored(1, c0 + 16, ldc * 4);
+            _tile_stored(2, c1, ldc * 4);
+            _tile_stored(3, c1 + 16, ldc * 4);
+        }
+    }
+}
+
+struct AmxProducts {
+    static constexpr int W = 16;
+#ifndef FA2CPU_AMX_BWD_RB
+#define FA2CPU_AMX_BWD_RB 96
+#endif
+    // Rows per block: 96 = 3 pairs of 16-row tiles. 192 (one block per group) measured no faster
+    // (alternating runs, 1 thread, bf16 B=1 H=4 N=2048 D=128, full: 169 and 150 GFLOP/s against
+    // 174 and 144 for 96).
+    static constexpr int RB = FA2CPU_AMX_BWD_RB;
+    static constexpr int64_t BC = V512::BC;
+    static constexpr int64_t kGroupRows = V512::MAX_ROWS;
+    static constexpr int64_t kRowAlign = 32, kFeatureAlign = 32, kKeyPad = 32;
+    static int64_t dq_features(int64_t D) { return round_up(D, 32); }
+    static_assert(RB % 32 == 0 && kGroupRows % RB == 0 && BC % 32 == 0, "whole 2 x 2 tile blocks");
+
+    struct Bufs {
+        uint16_t *kr, *vr, *kT, *ktail, *pT, *dsT, *qs, *dos;
+        uint32_t *qp, *dop, *qrp, *dorp, *dsp;
+        int64_t keys, ldq, ldo, ldkt;  // ldq / ldo: D / Dv rounded up to 32 (dkall / dvall too)
+    };
+    // kr [keys + 32][ldq], vr [keys + 32][ldo]: K / V rows, bf16, zero padded (A of S, dP)
+    // kT [ldq][ldkt]: K^T, zero past D and past the keys (A of dQ^T); ktail [ldq][32]: see above
+    // qp [ldq/2][GR], dop [ldo/2][GR]: Q / dO pairs along features (B of S, dP)
+    // qrp [GR/2][ldq], dorp [GR/2][ldo]: Q / dO pairs of rows (B of dK, dV)
+    // pT, dsT [BC][RB] bf16: P^T, dS^T of the row block (A of dV, dK); dsp [BC/2][RB]: dS key pairs
+    // qs [GR][ldq], dos [GR][ldo]: the group's Q / dO rows in bf16 (pack_row), which finish_rows
+    //   turns into the four pair layouts by 16 x 16 transposes and row-pair interleaves
+    static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
+        Bufs x;
+        x.ldq = round_up(p.d, 32);
+        x.ldo = round_up(p.dv, 32);
+        x.keys = keys;
+        x.ldkt = round_up(keys, 32) + 32;
+        Carver c{base};
+        auto pairs = [&](int64_t n) { return reinterpret_cast<uint32_t*>(c.take(n)); };
+        auto halves = [&](int64_t n) { return reinterpret_cast<uint16_t*>(c.take((n + 1) / 2)); };
+        x.kr = halves((keys + kKeyPad) * x.ldq);
+        x.vr = halves((keys + kKeyPad) * x.ldo);
+        x.kT = halves(x.ldq * x.ldkt);
+        x.ktail = halves(x.ldq * 32);
+        x.pT = halves(BC * RB);
+        x.dsT = halves(BC * RB);
+        x.qp = pairs(x.ldq / 2 * kGroupRows);
+        x.dop = pairs(x.ldo / 2 * kGroupRows);
+        x.qrp = pairs(kGroupRows / 2 * x.ldq);
+        x.dorp = pairs(kGroupRows / 2 * x.ldo);
+        x.dsp = pairs(BC / 2 * RB);
+        x.qs = halves(kGroupRows * x.ldq);
+        x.dos = halves(kGroupRows * x.ldo);
+        *floats = c.used;
+        return x;
+    }
+    static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
+
+    static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
+        if (c == 0) {  // the padding: rows past the keys, K^T columns past them and rows past D
+            std::memset(x.kr + x.keys * x.ldq, 0, size_t(kKeyPad * x.ldq) * 2);
+            std::memset(x.vr + x.keys * x.ldo, 0, size_t(kKeyPad * x.ldo) * 2);
+            for (int64_t d = 0; d < x.ldq; ++d)
+                for (int64_t e = d < D ? x.keys : 0; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;
+        }
+        for (int64_t d = 0; d < x.ldq; ++d) {
+            const uint16_t h = d < D ? f32_to_bf16(k[d]) : 0;
+            x.kr[c * x.ldq + d] = h;
+            if (d < D) x.kT[d * x.ldkt + c] = h;
+        }
+        for (int64_t j = 0; j < x.ldo; ++j) x.vr[c * x.ldo + j] = j < Dv ? f32_to_bf16(v[j]) : 0;
+    }
+    // Row r of the group into the bf16 staging rows (q / dO null: a padding row of zeros).
+    static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
+        to_bf16(x.qs + r * x.ldq, x.ldq, q, D);
+        to_bf16(x.dos + r * x.ldo, x.ldo, dO, Dv);
+    }
+    static void to_bf16(uint16_t* dst, int64_t ld, const float* row, int64_t n) {
+        int64_t j = 0;
+        if (row) {
+            for (; j < n; j += 16) {
+                const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+                const __m512 f = _mm512_maskz_loadu_ps(m, row + j);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(f));
+            }
+        }
+        for (; j < ld; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm256_setzero_si256());
+    }
+    // The M staged rows (M a multiple of 32) into the pair layouts.
+    static void finish_rows(Bufs& x, int64_t M, int64_t, int64_t) {
+        to_pairs(x.qs, x.ldq, M, x.qp, x.qrp);
+        to_pairs(x.dos, x.ldo, M, x.dop, x.dorp);
+    }
+    // rows [M][ld] bf16 -> fp [ld/2][GR] feature pairs (row i's uint32 pairs are column i: 16 x 16
+    // transposes) and rp [M/2][ld] row pairs (rows 2p, 2p+1 interleaved per feature).
+    static void to_pairs(const uint16_t* rows, int64_t ld, int64_t M, uint32_t* fp, uint32_t* rp) {
+        const uint32_t* r32 = reinterpret_cast<const uint32_t*>(rows);
+        const int64_t ld2 = ld / 2;
+        for (int64_t r0 = 0; r0 < M; r0 += 16)
+            for (int64_t t0 = 0; t0 < ld2; t0 += 16) {
+                __m512i v[16];
+                for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(r32 + (r0 + i) * ld2 + t0);
+                transpose16x16_epi32(v);
+                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(fp + (t0 + i) * kGroupRows + r0, v[i]);
+            }
+        for (int64_t p = 0; p < M / 2; ++p)
+            for (int64_t j = 0; j < ld; j += 16) {
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * p * ld + j)));
+                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * p + 1) * ld + j)));
+                _mm512_storeu_si512(rp + p * ld + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+    }
+
+    static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t, int64_t, float* s, float* dp) {
+        const int64_t np = round_up(n, 32), rows = nv * W;
+        tile_gemm<false>(x.kr + ck * x.ldq, x.ldq, nullptr, 0, x.qp + r0, kGroupRows, x.ldq / 2, np, rows, s, RB);
+        tile_gemm<false>(x.vr + ck * x.ldo, x.ldo, nullptr, 0, x.dop + r0, kGroupRows, x.ldo / 2, np, rows, dp, RB);
+    }
+    // P^T and dS^T of key c straight from the softmax gradient as bf16 rows; dS also in float32
+    // (dp) for its key pairs. P in float32 (s) is not needed.
+    static void store_gradients(Bufs& x, int64_t at, float*, float* dpp, __m512 pr, __m512 ds) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), (__m256i)_mm512_cvtneps_pbh(pr));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), (__m256i)_mm512_cvtneps_pbh(ds));
+        _mm512_storeu_ps(dpp, ds);
+    }
+    static void updates(Bufs& x, int nv, int64_t r0, int64_t, int64_t ck, int64_t n, int64_t, const float*,
+                        const float* dp, float* dkall, float* dvall, float* dqT) {
+        const int64_t np = round_up(n, 32), rows = nv * W;
+        // P^T, dS^T (store_gradients) zero past n; dS as pairs of keys.
+        for (int64_t c = n; c < np; ++c)
+            for (int v = 0; v < nv; ++v) {
+                const int64_t at = c * RB + v * W;
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), _mm256_setzero_si256());
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), _mm256_setzero_si256());
+            }
+        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int64_t c2 = 0; c2 < np / 2; ++c2)
+            for (int v = 0; v < nv; ++v) {
+                const __m512 e0 = 2 * c2 < n ? _mm512_loadu_ps(dp + 2 * c2 * RB + v * W) : _mm512_setzero_ps();
+                const __m512 e1 = 2 * c2 + 1 < n ? _mm512_loadu_ps(dp + (2 * c2 + 1) * RB + v * W) : _mm512_setzero_ps();
+                // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
+                const __m512i e = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+                _mm512_storeu_si512(x.dsp + c2 * RB + v * W, _mm512_permutexvar_epi16(inter, e));
+            }
+        const int64_t pr0 = r0 / 2;
+        tile_gemm<true>(x.pT, RB, nullptr, 0, x.dorp + pr0 * x.ldo, x.ldo, rows / 2, np, x.ldo, dvall + ck * x.ldo, x.ldo);
+        tile_gemm<true>(x.dsT, RB, nullptr, 0, x.qrp + pr0 * x.ldq, x.ldq, rows / 2, np, x.ldq, dkall + ck * x.ldq, x.ldq);
+        // dQ^T: the last step's K^T columns from a zero-padded copy when n is not whole steps.
+        const uint16_t* tail = nullptr;
+        if (n % 32) {
+            const int64_t c0 = ck + (n / 32) * 32, m = n % 32;
+            for (int64_t d = 0; d < x.ldq; ++d) {
+                std::memcpy(x.ktail + d * 32, x.kT + d * x.ldkt + c0, size_t(m) * 2);
+                std::memset(x.ktail + d * 32 + m, 0, size_t(32 - m) * 2);
+            }
+            tail = x.ktail;
+        }
+        tile_gemm<true>(x.kT + ck, x.ldkt, tail, 32, x.dsp, RB, np / 2, x.ldq, rows, dqT + r0 * x.ldq, RB);
+    }
+};
+
+// The backward of the amx family: bf16 inputs on AMX tiles, float32 / float16 on float32 FMAs.
+struct AmxBackward {
+    using F32 = BackwardLoop<V512>;
+    using Amx = BackwardLoop<V512, AmxProducts>;
+    static_assert(F32::BC == Amx::BC, "one key tile for the driver's splits");
+    static constexpr int64_t BC = F32::BC;
+    static int64_t scratch_floats(const BackwardParams& p, int64_t keys) {
+        return DType(p.f.dtype) == DType::bf16 ? Amx::scratch_floats(p, keys) : F32::scratch_floats(p, keys);
+    }
+    static void run_item(const BackwardParams& p, const BackwardItem& it, float* scratch, float* dq_part) {
+        if (DType(p.f.dtype) != DType::bf16) return F32::run_item(p, it, scratch, dq_part);
+        configure_backward_tiles();
+        Amx::run_item(p, it, scratch, dq_part);
+        _tile_release();
+    }
+};
+
+}  // namespace
+}  // namespace fa2cpu
