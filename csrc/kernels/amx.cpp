@@ -69,10 +69,21 @@ struct AmxGemm : TransposedO<V512> {
     static int64_t v_floats(int64_t Dv) { return o_rows(Dv) * BC / 2; }
     static int64_t p_floats() { return BC / 2 * RB; }
 
+    // Row r of Q as bf16 pairs down column r of [d2p][M]: 32 elements (16 pairs) per step with
+    // vcvtne2ps2bf16 (round to nearest even, like f32_to_bf16; its output is already pair-ordered)
+    // and a 16-lane scatter at stride M; the scalar path for the last D % 32 elements.
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
-        Bf16Gemm<V512>::pack_q_row(qbuf, M, r, row, D, 1.f);
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
-        for (int64_t t = (D + 1) / 2; t < d2p(D); ++t) q[t * M + r] = 0;
+        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(int(M)));
+        int64_t t = 0;
+        for (; 2 * t + 32 <= D; t += 16) {
+            const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 2 * t + 16), _mm512_loadu_ps(row + 2 * t));
+            _mm512_i32scatter_epi32(q + t * M + r, idx, pairs, 4);
+        }
+        for (; 2 * t < D; ++t)
+            q[t * M + r] = uint32_t(f32_to_bf16(row[2 * t])) | uint32_t(2 * t + 1 < D ? f32_to_bf16(row[2 * t + 1]) : 0) << 16;
+        for (; t < d2p(D); ++t) q[t * M + r] = 0;
     }
     static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);

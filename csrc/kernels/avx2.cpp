@@ -18,6 +18,8 @@ struct V256 {
     using vec = __m256;
     static constexpr int W = 8, RV = 2, NK = 6, ND = 6;
     static constexpr int64_t BC = 128, MAX_ROWS = 128;
+    // One reduction pass per product (gemm_f32.h): a 16-row block's Q^T / P slices fit L1 whole.
+    static constexpr int64_t DC = kMaxHeadDim, CC = BC;
 
     static vec zero() { return _mm256_setzero_ps(); }
     static vec set1(float a) { return _mm256_set1_ps(a); }

@@ -15,6 +15,7 @@ struct VGeneric {
     struct vec { float x[8]; };
     static constexpr int W = 8, RV = 1, NK = 4, ND = 4;
     static constexpr int64_t BC = 64, MAX_ROWS = 64;
+    static constexpr int64_t DC = kMaxHeadDim, CC = BC;  // one reduction pass per product (gemm_f32.h)
 
 #define FA2_GENERIC_MAP(expr) vec r; for (int i = 0; i < W; ++i) r.x[i] = (expr); return r
     static vec zero() { FA2_GENERIC_MAP(0.f); }

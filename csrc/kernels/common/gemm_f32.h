@@ -18,6 +18,11 @@ struct F32Gemm : TransposedO<V> {
     static constexpr int ND = V::ND;    // output columns per PV micro-tile
     static constexpr int RB = RV * W;   // rows per row block
     static constexpr int64_t BC = V::BC;
+    // Reduction passes: QK^T sums over at most DC head-dim entries and PV over at most CC keys
+    // per pass (accumulators stored and reloaded between passes, same summation order), so the
+    // DC x RB slice of Q^T or the CC x RB slice of P that every micro-tile re-reads stays in L1.
+    static constexpr int64_t DC = V::DC;
+    static constexpr int64_t CC = V::CC;
     static constexpr int64_t kMaxRows = V::MAX_ROWS;
     static constexpr int64_t kRowAlign = W;
     static constexpr ScaleAt kScaleAt = ScaleAt::packed_q;
@@ -58,14 +63,15 @@ struct F32Gemm : TransposedO<V> {
         return {buf, n, 0, 0};
     }
 
-    // s[j*RB + v*W + lane] = sum_d qT[d*M + v*W + lane] * kt[j*ldk + d],  j < NKC, v < NV
-    template <int NV, int NKC>
+    // s[j*RB + v*W + lane] (+)= sum_d qT[d*M + v*W + lane] * kt[j*ldk + d],  j < NKC, v < NV
+    // (kAccumulate: add to s, a later pass over the reduction axis)
+    template <int NV, int NKC, bool kAccumulate = false>
     static inline void qk_micro(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
         vec acc[NV][NKC];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v)
 #pragma GCC unroll 8
-            for (int j = 0; j < NKC; ++j) acc[v][j] = V::zero();
+            for (int j = 0; j < NKC; ++j) acc[v][j] = kAccumulate ? V::load(s + j * RB + v * W) : V::zero();
         for (int64_t d = 0; d < D; ++d) {
             vec q[NV];
 #pragma GCC unroll 8
@@ -114,11 +120,11 @@ struct F32Gemm : TransposedO<V> {
 
     // Full NK/ND chunks, then one tail chunk of 1..NK-1 keys / 1..ND-1 columns, so K and V can be
     // read in place (no padding past the tile) when they need no packing.
-    template <int NV, int T = 1>
+    template <int NV, bool kAccumulate, int T = 1>
     static void qk_tail(int t, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, float* s) {
         if constexpr (T < NK) {
-            if (t == T) qk_micro<NV, T>(qT, M, kt, ldk, D, s);
-            else qk_tail<NV, T + 1>(t, qT, M, kt, ldk, D, s);
+            if (t == T) qk_micro<NV, T, kAccumulate>(qT, M, kt, ldk, D, s);
+            else qk_tail<NV, kAccumulate, T + 1>(t, qT, M, kt, ldk, D, s);
         }
     }
     template <int NV, int T = 1>
@@ -128,17 +134,28 @@ struct F32Gemm : TransposedO<V> {
             else pv_tail<NV, T + 1>(t, s, nc, vt, ldv, oT, M);
         }
     }
+    template <int NV, bool kAccumulate>
+    static void qk_pass(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
+        int64_t c = 0;
+        for (; c + NK <= nc; c += NK) qk_micro<NV, NK, kAccumulate>(qT, M, kt + c * ldk, ldk, D, s + c * RB);
+        if (c < nc) qk_tail<NV, kAccumulate>(int(nc - c), qT, M, kt + c * ldk, ldk, D, s + c * RB);
+    }
     template <int NV>
     static void qk_block(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
-        int64_t c = 0;
-        for (; c + NK <= nc; c += NK) qk_micro<NV, NK>(qT, M, kt + c * ldk, ldk, D, s + c * RB);
-        if (c < nc) qk_tail<NV>(int(nc - c), qT, M, kt + c * ldk, ldk, D, s + c * RB);
+        qk_pass<NV, false>(qT, M, kt, ldk, D < DC ? D : DC, nc, s);
+        for (int64_t d0 = DC; d0 < D; d0 += DC)
+            qk_pass<NV, true>(qT + d0 * M, M, kt + d0, ldk, D - d0 < DC ? D - d0 : DC, nc, s);
     }
     template <int NV>
     static void pv_block(const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
-        int64_t j = 0;
-        for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(s, nc, vt + j, ldv, oT + j * M, M);
-        if (j < Dv) pv_tail<NV>(int(Dv - j), s, nc, vt + j, ldv, oT + j * M, M);
+        for (int64_t c0 = 0; c0 < nc; c0 += CC) {
+            const int64_t n = nc - c0 < CC ? nc - c0 : CC;
+            const float* sc = s + c0 * RB;
+            const float* vc = vt + c0 * ldv;
+            int64_t j = 0;
+            for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(sc, n, vc + j, ldv, oT + j * M, M);
+            if (j < Dv) pv_tail<NV>(int(Dv - j), sc, n, vc + j, ldv, oT + j * M, M);
+        }
     }
     // Row blocks of nv = 1..RV vectors (the last block of an item may be partial).
     template <int NV = RV>

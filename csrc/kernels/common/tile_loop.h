@@ -343,19 +343,21 @@ struct TileLoop {
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
         for (int v = 0; v < nv; ++v) {
             vec mx = ninf;
-            if (scale == 1.f)
+            if (scale > 0.f) {  // max(scale*s) = scale*max(s) exactly: rounding is monotone
                 for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::load(s + c * RB + v * W));
-            else
+                if (scale != 1.f) mx = V::mul(mx, sc);
+            } else {
                 for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::mul(V::load(s + c * RB + v * W), sc));
+            }
             const vec m_old = V::load(m + v * W);
             const vec m_new = V::max(m_old, mx);
             const vec m_use = V::zero_where_ninf(m_new);
             const vec neg_m = V::sub(V::zero(), m_use);
             vec sum = V::zero();
-            if constexpr (G::kPStore == PStore::bf16_pairs) {
+            if constexpr (G::kPStore == PStore::bf16_pairs) {  // P rounded to bf16: V::exp2_bf16p
                 for (int64_t c = 0; c < nc; c += 2) {
-                    const vec e0 = V::exp2(V::fma(V::load(s + c * RB + v * W), sc, neg_m));
-                    const vec e1 = c + 1 < nc ? V::exp2(V::fma(V::load(s + (c + 1) * RB + v * W), sc, neg_m)) : V::zero();
+                    const vec e0 = V::exp2_bf16p(V::fma(V::load(s + c * RB + v * W), sc, neg_m));
+                    const vec e1 = c + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (c + 1) * RB + v * W), sc, neg_m)) : V::zero();
                     sum = V::add(sum, V::add(e0, e1));
                     G::store_p_pair(ops.p_pairs, c / 2, v, e0, e1);
                 }
