@@ -290,3 +290,15 @@ def test_out_overlapping_scales(rng):
     _untouched(lambda: fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, k_scale=ks, v_scale=vs,
                                                            out=out),
                [kc, vc, ks, vs], ValueError, arg("out"))
+
+
+@pytest.mark.parametrize("code", ["int8", "fp8"])
+def test_sinks_on_a_quantized_cache(isa, rng, code):
+    """Attention sinks join the softmax of a quantized cache's decode and chunked prefill alike."""
+    B, cap, Hq, Hk, D = 2, 300, 8, 2, 64
+    kc, vc, ks, vs, _ = quant_cache(rng, B, cap, Hk, D, D, code)
+    sinks = rand(rng, (Hq,)) * 2
+    for nq in (1, 20):
+        q = rand(rng, (B, nq, Hq, D))
+        check_quant(q, kc, vc, ks, vs, None, None, "float32", cache_seqlens=np.array([cap, 120], np.int32),
+                    causal=True, sinks=sinks)
