@@ -208,11 +208,11 @@ def _append(append, block_table, block_size):
     k_cache, v_cache, k, v, start, k_scale, v_scale = append
     B, n = k.shape[:2]
     pairs = [(k_cache, k), (v_cache, v)]
-    if k_cache.dtype in _CODES:
-        k, k_codes_scale = _quantize(k, k_cache, k_scale is not None)
-        v, v_codes_scale = _quantize(v, v_cache, v_scale is not None)
-        pairs = [(k_cache, k), (v_cache, v)] + [(dst, src) for dst, src in ((k_scale, k_codes_scale),
-                                                                           (v_scale, v_codes_scale)) if dst is not None]
+    if k_cache.dtype in _CODES:  # codes into the caches, their scales (if any) into the scale arrays
+        pairs = []
+        for cache, x, scales in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+            codes, new_scales = _quantize(x, cache, scales is not None)
+            pairs += [(cache, codes)] + ([(scales, new_scales)] if scales is not None else [])
     if block_table is None and type(start) is int:
         for dst, src in pairs:
             dst[:, start:start + n] = src

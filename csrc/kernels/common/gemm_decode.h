@@ -102,6 +102,15 @@ struct DecodeGemm {
         float factor(int j, int64_t c) const { return (row[j] ? row[j][c * ld] : 1.f) * E::kUnit; }
     };
 
+    // Rows [r, r + RG) of a row block: each row's kv-head offset into tile t, and their scales.
+    static Scales group(const int32_t* kv_head, int r, const KvTile& t, int64_t* off, const float** sc) {
+        for (int j = 0; j < RG; ++j) {
+            off[j] = kv_head[r + j] * t.head_stride;
+            sc[j] = t.scale ? t.scale + kv_head[r + j] * t.scale_head_stride : nullptr;
+        }
+        return Scales{sc, t.scale_ld};
+    }
+
     static int64_t dp(int64_t n) { return round_up(n, 16); }
     static int64_t q_floats(int64_t D, int64_t M) { return M * dp(D); }
     static int64_t k_floats(int64_t D) { return (BC * dp(D) * int64_t(sizeof(T)) + 3) / 4; }
@@ -179,11 +188,7 @@ struct DecodeGemm {
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
                 const float* sc[RG];
-                for (int j = 0; j < RG; ++j) {
-                    off[j] = kv_head[r + j] * kt.head_stride;
-                    sc[j] = kt.scale ? kt.scale + kv_head[r + j] * kt.scale_head_stride : nullptr;
-                }
-                const Scales ks{sc, kt.scale_ld};
+                const Scales ks = group(kv_head, r, kt, off, sc);
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
                 if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, first_of_head);
                 else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, true);
@@ -325,11 +330,7 @@ struct DecodeGemm {
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
                 const float* sc[RG];
-                for (int j = 0; j < RG; ++j) {
-                    off[j] = kv_head[r + j] * vt.head_stride;
-                    sc[j] = vt.scale ? vt.scale + kv_head[r + j] * vt.scale_head_stride : nullptr;
-                }
-                const Scales vs{sc, vt.scale_ld};
+                const Scales vs = group(kv_head, r, vt, off, sc);
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
                 float* orow = x.o + (block.r0 + r) * n;
                 if (off[0] == off[RG - 1]) pv_group<true>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, first_of_head);

@@ -265,11 +265,6 @@ inline const float* f8e4m3_values() {
     } table;
     return table.v;
 }
-// Value of one code of a quantized cache (before its scale).
-inline float code_to_f32(const void* base, int64_t idx, DType dt) {
-    if (dt == DType::i8) return float(static_cast<const int8_t*>(base)[idx]);
-    return f8e4m3_to_f32(static_cast<const uint8_t*>(base)[idx]);
-}
 
 // Reads n elements (stride in elements) of dtype dt as float32.
 inline void load_row_scalar(float* dst, const void* src, int64_t n, int64_t stride, DType dt) {

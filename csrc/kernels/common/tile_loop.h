@@ -194,16 +194,22 @@ struct TileLoop {
     template <int kWhich>
     static KvTile tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, int64_t nk, int64_t head,
                        float* own, float* stage, SharedTiles* shared) {
+        auto fetch = [&](const Params& q, int64_t b, int64_t first, int64_t h, float* buf) {
+            return kWhich == 0 ? G::k_tile(q, b, first, nc, h, buf) : G::v_tile(q, b, first, nc, h, buf);
+        };
         auto pack = [&](float* buf) {
-            if (!is_code_dtype(kv_dtype(p)))
-                return kWhich == 0 ? G::k_tile(p, it.b, c0, nc, head, buf) : G::v_tile(p, it.b, c0, nc, head, buf);
+            if (!is_code_dtype(kv_dtype(p))) return fetch(p, it.b, c0, head, buf);
             if constexpr (ReadsCodes<G>::value) {
-                KvTile t = kWhich == 0 ? G::k_tile(p, it.b, c0, nc, head, buf) : G::v_tile(p, it.b, c0, nc, head, buf);
-                attach_scales<kWhich>(p, it, c0, &t);
+                KvTile t = fetch(p, it.b, c0, head, buf);
+                if (const float* sc = scale_at<kWhich>(p, it, c0)) {
+                    const ScaleStrides st = scale_strides<kWhich>(p);
+                    t.scale = sc;
+                    t.scale_ld = st.row;
+                    t.scale_head_stride = st.head;
+                }
                 return t;
             } else {
-                const Params sp = dequantize_tile<kWhich>(p, it, c0, nc, stage);
-                return kWhich == 0 ? G::k_tile(sp, 0, 0, nc, 0, buf) : G::v_tile(sp, 0, 0, nc, 0, buf);
+                return fetch(dequantize_tile<kWhich>(p, it, c0, nc, stage), 0, 0, 0, buf);
             }
         };
         if (!shared || shared->floats[kWhich] == 0 || it.kv_heads != 1 || c0 % BC != 0 || nc != (nk - c0 < BC ? nk - c0 : BC))
@@ -225,19 +231,24 @@ struct TileLoop {
         return pack(own);
     }
 
-    // The scale array of K (kWhich = 0) or V of a quantized cache: pointer to key c0's scale of
-    // the item's first kv head, and its strides (a tile never crosses a cache block here: policies
-    // reading codes have kTilesEndAtBlocks).
+    // The scale array of K (kWhich = 0) or V of a quantized cache: its strides, and the scale of
+    // key position pos of the item's first kv head (nullptr without scales: every scale is 1).
+    // Policies reading codes get key c0's pointer with the tile (a tile never crosses a cache block
+    // there: they have kTilesEndAtBlocks).
+    struct ScaleStrides {
+        int64_t batch, row, head;
+    };
     template <int kWhich>
-    static void attach_scales(const Params& p, const WorkItem& it, int64_t c0, KvTile* t) {
+    static ScaleStrides scale_strides(const Params& p) {
+        return kWhich == 0 ? ScaleStrides{p.k_scale_batch_stride, p.k_scale_row_stride, p.k_scale_head_stride}
+                           : ScaleStrides{p.v_scale_batch_stride, p.v_scale_row_stride, p.v_scale_head_stride};
+    }
+    template <int kWhich>
+    static const float* scale_at(const Params& p, const WorkItem& it, int64_t pos) {
         const float* sc = kWhich == 0 ? p.k_scale : p.v_scale;
-        if (!sc) return;
-        const int64_t bs = kWhich == 0 ? p.k_scale_batch_stride : p.v_scale_batch_stride;
-        const int64_t rs = kWhich == 0 ? p.k_scale_row_stride : p.v_scale_row_stride;
-        const int64_t hs = kWhich == 0 ? p.k_scale_head_stride : p.v_scale_head_stride;
-        t->scale = sc + k_row_offset(p, it.b, c0, bs, rs) + it.kv_head * hs;
-        t->scale_ld = rs;
-        t->scale_head_stride = hs;
+        if (!sc) return nullptr;
+        const ScaleStrides st = scale_strides<kWhich>(p);
+        return sc + k_row_offset(p, it.b, pos, st.batch, st.row) + it.kv_head * st.head;
     }
 
     // Keys [c0, c0 + nc) of the item's kv head of a quantized cache, dequantized into `stage`
@@ -249,19 +260,15 @@ struct TileLoop {
     static Params dequantize_tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, float* stage) {
         const DType ct = kv_dtype(p);
         const void* codes = kWhich == 0 ? p.k : p.v;
-        const float* sc = kWhich == 0 ? p.k_scale : p.v_scale;
         const int64_t n = kWhich == 0 ? p.d : p.dv;
         const int64_t bs = kWhich == 0 ? p.k_batch_stride : p.v_batch_stride;
         const int64_t rs = kWhich == 0 ? p.k_row_stride : p.v_row_stride;
         const int64_t ds = kWhich == 0 ? p.k_dim_stride : p.v_dim_stride;
         const int64_t hs = kWhich == 0 ? p.k_head_stride : p.v_head_stride;
-        const int64_t sbs = kWhich == 0 ? p.k_scale_batch_stride : p.v_scale_batch_stride;
-        const int64_t srs = kWhich == 0 ? p.k_scale_row_stride : p.v_scale_row_stride;
-        const int64_t shs = kWhich == 0 ? p.k_scale_head_stride : p.v_scale_head_stride;
         for (int64_t c = 0; c < nc; ++c) {
             const int64_t at = k_row_offset(p, it.b, c0 + c, bs, rs) + it.kv_head * hs;
-            const float scale = sc ? sc[k_row_offset(p, it.b, c0 + c, sbs, srs) + it.kv_head * shs] : 1.f;
-            dequantize_row(stage + c * n, codes, at, n, ds, ct, scale);
+            const float* sc = scale_at<kWhich>(p, it, c0 + c);
+            dequantize_row(stage + c * n, codes, at, n, ds, ct, sc ? *sc : 1.f);
         }
         return staged_params<kWhich>(p, stage);
     }
