@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../dispatch/registry.h"
@@ -23,7 +24,8 @@ namespace fa2cpu {
 namespace {
 
 // Key-axis splits: a call aims at kTargetItems items, splitting each (sequence, kv head) into at
-// most kMaxSplits key ranges of whole tiles. Both depend on shapes only (determinism). A split
+// most kMaxSplits key ranges of whole tiles (both shape-only; with the cap below the plan
+// depends on shapes and the machine, never on the thread count: determinism). A split
 // costs every row it sees packed once more, one float32 copy of its rows' dq (the partials,
 // freshly allocated pages) and their sum: 16 items (no split from 16 kv heads on; an unsplit kv
 // head is one item of the same cost as every other, causal or not) measured 12-14 % faster than
@@ -34,6 +36,23 @@ namespace {
 #endif
 constexpr int64_t kTargetItems = FA2CPU_BWD_TARGET_ITEMS;
 constexpr int64_t kMaxSplits = 8;
+// An item streams its scratch (its packed K/V and dK/dV accumulators) once per row group, so
+// every busy core holds one item's scratch: long key ranges are split further until one item's
+// scratch is at most kCacheBudgetBytes / (the machine's CPU count). The CPU count is the
+// machine's, never the call's thread count, so the plan (and every bit of the result) is the same
+// for any num_threads on a machine. Measured on the 16-core AMX Xeon (16 threads, B=1, D=128,
+// fp32): capping items at 3 MB ran H=32 N=4096 in 514 / 256 ms (full / causal) instead of 693 /
+// 357, H=16 N=2048 in 73 / 40 instead of 92 / 55; bf16 unchanged within noise. On 2 CPUs the cap
+// is 24 MB (items up to ~12K keys at D = 128 in fp32), which the benchmark shapes stay under:
+// splitting H=16 N=2048 at 3 MB on 2 cores of that machine ran 4 % faster (full) but 16 % slower
+// (causal). bench/RESULTS.md "C++ backward", "Backward item size".
+#ifndef FA2CPU_BWD_CACHE_BUDGET_MB
+#define FA2CPU_BWD_CACHE_BUDGET_MB 48
+#endif
+int64_t item_scratch_cap() {
+    static const int64_t cpus = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
+    return (int64_t(FA2CPU_BWD_CACHE_BUDGET_MB) << 20) / cpus;
+}
 
 // A (sequence, kv head) whose dq is the sum of `count` split items' partials, in split order.
 struct DqGroup {
@@ -70,13 +89,17 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     Plan plan;
     const int64_t G = p.hq / p.hk, tile = K.kv_tile;
     const int64_t want = std::min(kMaxSplits, (kTargetItems + p.batch * p.hk - 1) / (p.batch * p.hk));
+    const int64_t cap = item_scratch_cap();
     std::vector<double> cost;
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         if (nq == 0 && nk == 0) continue;
         const int64_t tiles = (nk + tile - 1) / tile;
         // No split when there is nothing to split or no dq to produce.
-        const int64_t splits = nq == 0 ? std::max<int64_t>(1, tiles) : std::max<int64_t>(1, std::min(want, tiles));
+        int64_t split_want = want;
+        while (split_want < kMaxSplits && 4 * K.scratch_floats(bp, (tiles + split_want - 1) / split_want * tile) > cap)
+            ++split_want;
+        const int64_t splits = nq == 0 ? std::max<int64_t>(1, tiles) : std::max<int64_t>(1, std::min(split_want, tiles));
         for (int64_t h = 0; h < p.hk; ++h) {
             const size_t first = plan.split_items.size();
             for (int64_t s = 0; s < splits; ++s) {
