@@ -4,7 +4,8 @@ Arguments are checked here (the same checks as the forwards', fa2cpu/_checks.py)
 are computed by the C++ FlashAttention-2 backward (csrc/driver/backward.cpp driving the selected
 family's csrc/kernels/common/backward_loop.h) through ``_core.run_backward``: P recomputed from the
 forward's LSE tile by tile, no Nq x Nk buffer, float32 accumulation, bit-identical results for
-any thread count.
+any thread count (the work plan depends on the shapes and on the machine's CPU count, which sizes
+the key ranges of one work item, never on ``num_threads``).
 """
 import numpy as np
 
@@ -54,7 +55,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     layout : {"bhsd", "bshd"}
     num_threads : int, optional
         Threads of the library's pool; None follows OpenMP's current maximum, like the forward.
-        The GIL is released during the compute. The gradients are bit-identical for any value.
+        The GIL is released during the compute. The gradients are bit-identical for any value
+        (on one machine: the split of the key axis into work items depends on its CPU count).
 
     sinks : array_like, optional
         The forward's attention sinks (float32 ``(Hq,)``); ``lse`` must be the forward's with them.
