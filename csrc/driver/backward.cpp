@@ -38,7 +38,7 @@ constexpr int64_t kTargetItems = FA2CPU_BWD_TARGET_ITEMS;
 constexpr int64_t kMaxSplits = 8;
 // An item streams its scratch (its packed K/V and dK/dV accumulators) once per row group, so
 // every busy core holds one item's scratch: long key ranges are split further until one item's
-// scratch is at most kCacheBudgetBytes / (the machine's CPU count). The CPU count is the
+// scratch is at most FA2CPU_BWD_CACHE_BUDGET_MB / (the machine's CPU count). The CPU count is the
 // machine's, never the call's thread count, so the plan (and every bit of the result) is the same
 // for any num_threads on a machine. Measured on the 16-core AMX Xeon (16 threads, B=1, D=128,
 // fp32): capping items at 3 MB ran H=32 N=4096 in 514 / 256 ms (full / causal) instead of 693 /
@@ -96,10 +96,13 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
         if (nq == 0 && nk == 0) continue;
         const int64_t tiles = (nk + tile - 1) / tile;
         // No split when there is nothing to split or no dq to produce.
-        int64_t split_want = want;
-        while (split_want < kMaxSplits && 4 * K.scratch_floats(bp, (tiles + split_want - 1) / split_want * tile) > cap)
-            ++split_want;
-        const int64_t splits = nq == 0 ? std::max<int64_t>(1, tiles) : std::max<int64_t>(1, std::min(split_want, tiles));
+        // Else `want` splits, more while one item's scratch exceeds the cap.
+        auto capped = [&] {
+            int64_t n = want;
+            while (n < kMaxSplits && 4 * K.scratch_floats(bp, (tiles + n - 1) / n * tile) > cap) ++n;
+            return n;
+        };
+        const int64_t splits = nq == 0 ? std::max<int64_t>(1, tiles) : std::max<int64_t>(1, std::min(capped(), tiles));
         for (int64_t h = 0; h < p.hk; ++h) {
             const size_t first = plan.split_items.size();
             for (int64_t s = 0; s < splits; ++s) {

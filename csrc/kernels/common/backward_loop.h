@@ -17,11 +17,11 @@
 // driver gives a (sequence, kv head) one item (every key), that item writes dq itself; otherwise
 // the key axis is split into a number of items fixed by the shapes and the machine's CPU count
 // (never by the thread count; backward.cpp) and each writes its float32 dQ rows to a partial
-// buffer, which the driver sums in split
-// order. Chosen over a second pass that owns dQ per query tile: the second pass recomputes S, P
-// and dP (3 of the 5 tile products again, 7 products instead of 5, ~1.4x the FLOPs), while the
-// partials cost one float32 copy of dq per split (O(N*D)) and one streaming sum. Both orders are
-// fixed, so results are bit-identical for any thread count.
+// buffer, which the driver sums in split order. Chosen over a second pass that owns dQ per query
+// tile: the second pass recomputes S, P and dP (3 of the 5 tile products again, 7 products
+// instead of 5, ~1.4x the FLOPs), while the partials cost one float32 copy of dq per split
+// (O(N*D)) and one streaming sum. Both orders are fixed, so results are bit-identical for any
+// thread count.
 //
 // Loop order: row groups of kGroupRows rows (V::MAX_ROWS, the forward's item size) outer, key
 // tiles of BC keys inner, so a group's Q / dO / dQ panels stay in L2 while every K/V tile of the
