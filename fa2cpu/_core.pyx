@@ -5,6 +5,7 @@ happens before this point, in fa2cpu/attention.py."""
 cimport numpy as cnp
 import numpy as np
 from libc.stdint cimport int32_t, int64_t
+from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
 
 from fa2cpu._cpp cimport BackwardParams, Params
@@ -159,6 +160,139 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     if rc != 0:
         raise MemoryError("fa2cpu: could not allocate per-thread scratch memory")
     return out
+
+
+cdef class DecodeStep:
+    """A prepared ``flash_attention_with_kvcache`` call with an append, over one float KV cache
+    (the transformers KVCache's decode route, fa2cpu/integrations/_hf_cache.py): everything about
+    the cache is read once here, so a step reads nothing but the integers it is given.
+
+    k_cache / v_cache: the cache's 4-D (batch, head, position, feature) views (contiguous caches)
+    or (block, head, row, feature) views with ``block_table`` int32 (B, max_blocks) (paged), of
+    the kernels' dtype ``dtype`` (a DType code), element-strided, writable; kept alive here.
+
+    A step trusts its caller for what only the caller can know (the pointers address live
+    tensors of the dtype given, with the strides given, not overlapping the cache; the block
+    table's entries for the positions written and read are valid blocks) and checks the rest
+    (sizes, capacity) before anything is written."""
+    cdef Params p
+    cdef object keep
+    cdef char* k_base
+    cdef char* v_base
+    cdef int64_t itemsize, cache_batch, capacity
+    cdef int64_t kcs[4]
+    cdef int64_t vcs[4]
+    cdef int64_t[::1] lengths   # the kernels' seqlen_k of one step
+
+    def __init__(self, cnp.ndarray k_cache, cnp.ndarray v_cache, object block_table, int64_t block_size,
+                 int dtype):
+        cdef cnp.ndarray bt
+        if _element_strided(k_cache) is not k_cache or _element_strided(v_cache) is not v_cache:
+            raise ValueError("k_cache, v_cache: must be element-strided")
+        self.keep = (k_cache, v_cache, block_table)
+        self.p.dtype = dtype
+        self.p.kv_dtype = -1
+        self.itemsize = cnp.PyArray_ITEMSIZE(k_cache)
+        self.p.hk = cnp.PyArray_DIM(k_cache, 1)
+        self.p.d = cnp.PyArray_DIM(k_cache, 3)
+        self.p.dv = cnp.PyArray_DIM(v_cache, 3)
+        _view(k_cache, &self.p.k, &self.p.k_batch_stride, &self.p.k_head_stride, &self.p.k_row_stride,
+              &self.p.k_dim_stride)
+        _view(v_cache, &self.p.v, &self.p.v_batch_stride, &self.p.v_head_stride, &self.p.v_row_stride,
+              &self.p.v_dim_stride)
+        _strides4(k_cache, self.kcs)
+        _strides4(v_cache, self.vcs)
+        self.k_base = <char*>cnp.PyArray_DATA(k_cache)
+        self.v_base = <char*>cnp.PyArray_DATA(v_cache)
+        if block_table is None:
+            self.cache_batch = cnp.PyArray_DIM(k_cache, 0)
+            self.capacity = cnp.PyArray_DIM(k_cache, 2)
+        else:
+            bt = block_table
+            self.p.block_table = <const int32_t*>cnp.PyArray_DATA(bt)
+            self.p.block_table_batch_stride = cnp.PyArray_STRIDES(bt)[0] // 4
+            self.p.block_size = block_size
+            self.cache_batch = cnp.PyArray_DIM(bt, 0)
+            self.capacity = cnp.PyArray_DIM(bt, 1) * block_size
+        self.lengths = np.zeros(self.cache_batch, np.int64)
+
+    def __call__(self, size_t q, int64_t qb, int64_t qh, int64_t qn, int64_t qd,
+                 size_t k, int64_t kb, int64_t kh, int64_t kn, int64_t kd,
+                 size_t v, int64_t vb, int64_t vh, int64_t vn, int64_t vd,
+                 size_t out, int64_t batch, int64_t hq, int64_t nq, int64_t d, int64_t n_new,
+                 cnp.ndarray seqlens, double scale, double softcap, int64_t win_left, int64_t win_right):
+        """Appends the new keys / values at each sequence's end and attends, GIL released.
+        q (batch, hq, nq, d) and new k / v (batch, hk, n_new, d | dv): data addresses and element
+        strides in that (batch, head, position, feature) order; out: a C-contiguous
+        (batch, nq, hq, dv) buffer. ``seqlens``: int32, contiguous, the stored length of each
+        sequence (at least ``batch`` entries); the first ``batch`` grow by n_new once the new
+        tokens are stored (nothing is written when a check fails).
+        win_left / win_right as the kernels take them (-1 unbounded). Not thread-safe: one step
+        object serves one caller at a time (it owns the kernels' per-step lengths)."""
+        cdef int32_t* lens
+        cdef int64_t b, t, h, pos, row, blk
+        cdef int64_t hk = self.p.hk, dv = self.p.dv, item = self.itemsize
+        cdef char* dst
+        cdef const char* src
+        if cnp.PyArray_TYPE(seqlens) != cnp.NPY_INT32 or cnp.PyArray_NDIM(seqlens) != 1 \
+                or cnp.PyArray_DIM(seqlens, 0) < batch or not cnp.PyArray_IS_C_CONTIGUOUS(seqlens) \
+                or not cnp.PyArray_ISWRITEABLE(seqlens):
+            raise ValueError("seqlens: expected writable contiguous int32 lengths of every sequence")
+        lens = <int32_t*>cnp.PyArray_DATA(seqlens)
+        if not 1 <= batch <= self.cache_batch or hq < 1 or hq % hk or d != self.p.d or nq < 1 or n_new < 0:
+            raise ValueError(f"decode step: q ({batch}, {hq}, {nq}, {d}) does not fit the cache "
+                             f"(batch <= {self.cache_batch}, {hk} kv heads, D = {self.p.d})")
+        for b in range(batch):
+            self.lengths[b] = lens[b] + n_new
+            if self.lengths[b] < n_new or self.lengths[b] > self.capacity:
+                raise ValueError(f"decode step: sequence {b} would hold {self.lengths[b]} positions "
+                                 f"(capacity {self.capacity})")
+        cdef Params p = self.p
+        p.batch, p.hq, p.nq, p.nk = batch, hq, nq, self.capacity
+        p.q = <const void*>q
+        p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.q_dim_stride = qb, qh, qn, qd
+        p.out = <void*>out
+        p.out_batch_stride, p.out_head_stride, p.out_row_stride, p.out_dim_stride = nq * hq * dv, dv, hq * dv, 1
+        p.seqlen_k = &self.lengths[0]
+        p.scale, p.softcap = scale, softcap
+        # As kvcache_problem normalises them: bounds past every sequence are unbounded.
+        p.window_left = -1 if win_left >= self.capacity else win_left
+        p.window_right = -1 if win_right >= nq else win_right
+        p.num_threads = max(1, min(c.backend_max_threads(), c.max_useful_threads()))
+        cdef int rc
+        with nogil:
+            # The append: rows of n_new new tokens per (sequence, kv head), into their cache slots.
+            for b in range(batch):
+                for t in range(n_new):
+                    pos = self.lengths[b] - n_new + t
+                    if p.block_table != NULL:
+                        blk = p.block_table[b * p.block_table_batch_stride + pos // p.block_size]
+                        row = pos % p.block_size
+                    else:
+                        blk, row = b, pos
+                    for h in range(hk):
+                        dst = self.k_base + (blk * self.kcs[0] + h * self.kcs[1] + row * self.kcs[2]) * item
+                        src = <const char*>k + (b * kb + h * kh + t * kn) * item
+                        _copy_row(dst, self.kcs[3], src, kd, self.p.d, item)
+                        dst = self.v_base + (blk * self.vcs[0] + h * self.vcs[1] + row * self.vcs[2]) * item
+                        src = <const char*>v + (b * vb + h * vh + t * vn) * item
+                        _copy_row(dst, self.vcs[3], src, vd, dv, item)
+            for b in range(batch):
+                lens[b] = <int32_t>self.lengths[b]
+            rc = c.forward(p)
+        if rc != 0:
+            raise MemoryError("fa2cpu: could not allocate per-thread scratch memory")
+
+
+cdef inline void _copy_row(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t n,
+                           int64_t item) noexcept nogil:
+    """n elements of `item` bytes, element strides given."""
+    cdef int64_t i
+    if dst_stride == 1 and src_stride == 1:
+        memcpy(dst, src, n * item)
+        return
+    for i in range(n):
+        memcpy(dst + i * dst_stride * item, src + i * src_stride * item, item)
 
 
 def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,

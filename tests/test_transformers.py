@@ -131,6 +131,82 @@ def test_kvcache_forward_paths_match_sdpa():
         assert (_logits(ref, ids, am) - b)[am.bool()].abs().max().item() < LOGITS_TOL
 
 
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kvcache_decode_route_is_the_general_call(model, dtype, monkeypatch):
+    """KVCache's decode route (one prepared DecodeStep call: append + attend) gives the bits of
+    the general flash_attention_with_kvcache call it replaces: chunked prefill (Nq > 1) and decode,
+    contiguous and paged, uniform lengths and left padding (per-sequence lengths), GQA, sliding
+    window and softcap (gemma2); the cache ends up byte-identical and the lengths agree."""
+    cfg, _ = _configs()[model]
+    torch.manual_seed(0)
+    fa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME,
+                                                       dtype=dtype).eval()
+    for pad, paged in (("none", False), ("left", False), ("left", True), ("none", True)):
+        ids, am = _batch(pad, n=N)
+        runs = []
+        for route in (True, False):
+            with monkeypatch.context() as m:
+                if not route:
+                    m.setattr(fh._KVLayer, "_make_step", lambda self: False)
+                cache = fh.KVCache(fa.config, 2, N + 8, dtype=dtype, paged=paged, block_size=5)
+                outs = [_logits(fa, ids[:, :9], am[:, :9], cache=cache),
+                        _logits(fa, ids[:, 9:N], am, cache=cache)]  # chunked prefill, Nq = 15
+                for t in range(4):                                     # decode steps
+                    am = torch.cat([am, torch.ones(2, 1, dtype=am.dtype)], 1)
+                    outs.append(_logits(fa, outs[-1][:, -1:].argmax(-1), am, cache=cache))
+                am = am[:, :N]
+                steps = [layer._step for layer in cache.layers]
+                runs.append((outs, [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in cache.layers],
+                             cache.seqlens().tolist()))
+            assert all((s not in (None, False)) == route for s in steps), (pad, paged, steps)
+        (a, ca, la), (b, cb, lb) = runs
+        assert la == lb, (pad, paged)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), (pad, paged)
+        for (k1, v1), (k2, v2) in zip(ca, cb):
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), (pad, paged)
+
+
+def test_decode_step_checks_before_writing():
+    """fa2cpu._core.DecodeStep refuses a step past the cache's capacity, a query that does not
+    fit the cache, and bad lengths, before writing anything (cache and lengths unchanged)."""
+    import math
+
+    import numpy as np
+    from fa2cpu import _core
+    from fa2cpu._torch_bridge import _np
+    B, Hq, Hk, D, cap = 2, 4, 2, 16, 8
+    kc, vc = torch.randn(B, cap, Hk, D), torch.randn(B, cap, Hk, D)
+    before = kc.clone(), vc.clone()
+    step = _core.DecodeStep(_np("k", kc).transpose(0, 2, 1, 3), _np("v", vc).transpose(0, 2, 1, 3), None, 0,
+                            _core.DTYPE_CODES["float32"])
+    q, k, v = torch.randn(B, Hq, 1, D), torch.randn(B, Hk, 1, D), torch.randn(B, Hk, 1, D)
+    out = torch.zeros(B, 1, Hq, D)
+
+    def call(seqlens, hq=Hq, d=D, batch=B):
+        step(q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(), out.data_ptr(),
+             batch, hq, 1, d, 1, seqlens, 1 / math.sqrt(D), 0.0, -1, 0)
+
+    for seqlens, kw, match in ((np.array([3, cap], np.int32), {}, "capacity"),
+                               (np.array([3, -2], np.int32), {}, "capacity"),
+                               (np.array([3, 3], np.int64), {}, "int32"),
+                               (np.array([3], np.int32), {}, "int32"),
+                               (np.array([3, 3], np.int32), {"hq": 3}, "does not fit"),
+                               (np.array([3, 3], np.int32), {"d": 8}, "does not fit"),
+                               (np.array([3, 3, 3], np.int32), {"batch": 3}, "does not fit")):
+        kept = seqlens.copy()
+        with pytest.raises(ValueError, match=match):
+            call(seqlens, **kw)
+        assert np.array_equal(seqlens, kept) and torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert not out.any()
+    seqlens = np.array([3, 5], np.int32)
+    call(seqlens)
+    assert seqlens.tolist() == [4, 6] and torch.equal(kc[0, 3], k[0, :, 0]) and torch.equal(vc[1, 5], v[1, :, 0])
+    expect = fat.flash_attention_with_kvcache(q.transpose(1, 2), kc, vc, cache_seqlens=torch.tensor([4, 6]))
+    assert torch.equal(out, expect)
+
+
 def test_beam_search_with_kvcache():
     cfg, _ = _configs()["llama"]
     ref, fa = _pair(cfg, "sdpa")
@@ -171,6 +247,14 @@ def spy(monkeypatch):
                           args[1].data_ptr()))
             return _real(*args, **kw)
         monkeypatch.setattr(kernels, entry, wrapper)
+    real_step = fh._KVLayer._step_attend  # KVCache's decode route: one prepared core call
+
+    def step(self, query, *args, **kw):
+        out = real_step(self, query, *args, **kw)
+        if out is not None:
+            calls.append(("decode_step", tuple(query.transpose(1, 2).shape), None, self.k_cache.data_ptr()))
+        return out
+    monkeypatch.setattr(fh._KVLayer, "_step_attend", step)
     return calls
 
 
@@ -192,7 +276,7 @@ def test_padded_causal_forward_gets_no_dense_mask(spy, model):
     rows = [s for s in spy if s[2] is not None]
     assert all(s[2] == (2, 1, 1, s[2][-1]) for s in rows)
     assert rows or model != "llama"  # (a sliding window can hide the pads: then no row at all)
-    assert any(e == "flash_attention_with_kvcache" and q[1] == 1 and m is None for e, q, m, _ in spy)
+    assert any(e == "decode_step" and q[1] == 1 and m is None for e, q, m, _ in spy)
 
 
 def test_kvcache_storage_never_moves(spy):
@@ -203,8 +287,9 @@ def test_kvcache_storage_never_moves(spy):
     ids, am = _batch("left")
     _generate(fa, ids, am, cache=cache)
     assert [(layer.k_cache.data_ptr(), layer.v_cache.data_ptr()) for layer in cache.layers] == ptrs
-    kv_calls = [s for s in spy if s[0] == "flash_attention_with_kvcache"]
+    kv_calls = [s for s in spy if s[0] in ("flash_attention_with_kvcache", "decode_step")]
     assert len(kv_calls) == NEW * len(cache.layers)  # prefill + NEW - 1 decode steps, every layer
+    assert sum(s[0] == "decode_step" for s in kv_calls) == (NEW - 1) * len(cache.layers)
     assert {s[3] for s in kv_calls} == {p[0] for p in ptrs}  # always the preallocated buffers
 
 

@@ -2,6 +2,8 @@
 ``update`` hands the new keys/values to the attention function, which appends them in place and
 attends in one ``flash_attention_with_kvcache`` call. Design notes: fa2cpu/integrations/transformers.py.
 """
+import math
+
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -49,6 +51,7 @@ class _KVLayer(CacheLayerMixin):
         self.offsets = np.zeros(n, np.int64)
         self._seqlens = np.zeros(n, np.int32)
         self._seqlens_t = torch.from_numpy(self._seqlens)  # shares memory with _seqlens
+        self._step = None  # the decode route's prepared call (_step_attend), made at first use
         self.reset()
 
     # --- bookkeeping -------------------------------------------------------------------------
@@ -270,6 +273,11 @@ class _KVLayer(CacheLayerMixin):
         else:
             dense, lo, hi = attention_mask[..., :total], -1, -1
         plan = _GENERAL if dense is not None else self._padding_plan(spec, attention_mask)
+        if plan is _APPEND and sinks is None and self._step is not False:
+            out = self._step_attend(query, k_new, v_new, B, n_new, scaling, softcap, lo, hi)
+            if out is not None:
+                self.length = total
+                return out
         q = query.transpose(1, 2)
         k_new_bshd, v_new_bshd = k_new.transpose(1, 2), v_new.transpose(1, 2)
         k_cache, v_cache, table, seqlens_t, seqlens, k_scale, v_scale = self._views
@@ -300,6 +308,47 @@ class _KVLayer(CacheLayerMixin):
                                        sinks)
         self.length = total
         return out
+
+    def _step_attend(self, query, k_new, v_new, B, n_new, scaling, softcap, lo, hi):
+        """The decode route of a float cache: one prepared core call (:class:`fa2cpu._core.DecodeStep`)
+        appends and attends, so a step runs a few lines of Python instead of the NumPy API's checks
+        and views. Why it matters: between two attention calls the model streams its weights
+        through the caches, and cold Python costs ~10 us per call level (measured: the same
+        decode spent ~450 us per layer outside the kernels on the 2-core VM; bench/RESULTS.md).
+        -> out ``(B, Nq, Hq, Dv)``, or None when this call is outside the route (the general
+        path then handles it)."""
+        step = self._step
+        if step is None:  # first decode: build it (or mark the layer as outside the route)
+            step = self._step = self._make_step()
+            if step is False:
+                return None
+        dtype = self._owner.dtype
+        if query.dtype is not dtype or v_new.dtype is not dtype or not query.is_cpu:
+            return None
+        b, hq, m, d = query.shape
+        if self._owner.paged:
+            self._owner._allocate(B, self._seqlens[:B] + n_new)
+        out = torch.empty((b, m, hq, self._dv), dtype=dtype)
+        step(query.data_ptr(), *query.stride(), k_new.data_ptr(), *k_new.stride(), v_new.data_ptr(),
+             *v_new.stride(), out.data_ptr(), b, hq, m, d, n_new, self._seqlens,
+             1.0 / math.sqrt(d) if scaling is None else float(scaling), float(softcap or 0.0), lo, hi)
+        torch._C._increment_version((self.k_cache, self.v_cache))
+        return out
+
+    def _make_step(self):
+        """The layer's DecodeStep, or False for a cache outside the decode route (quantized,
+        not on the CPU)."""
+        from fa2cpu import _core
+        if self.k_scale is not None or not self.k_cache.is_cpu:
+            return False
+        if self._owner.paged:
+            table = self._owner.block_table.numpy()
+        else:
+            table = None
+        k4 = _np("k_cache", self.k_cache).transpose(0, 2, 1, 3)  # the core's (batch|block, head, row, feature)
+        v4 = _np("v_cache", self.v_cache).transpose(0, 2, 1, 3)
+        self._dv = self.v_cache.shape[-1]
+        return _core.DecodeStep(k4, v4, table, self._owner.block_size, _core.DTYPE_CODES[k4.dtype.name])
 
     def _to_positions(self, row):
         """Store sequences at transformers' positions again (undo dropped left padding)."""
