@@ -60,6 +60,9 @@ import fa2cpu.integrations.transformers as fa2hf  # noqa: E402
 from fa2cpu.bench import long_dtype_arg  # noqa: E402
 
 LINES = []
+# transformers renamed the cache argument (past_key_values -> cache; 5.24 takes both, 5.17 only the old one).
+import inspect  # noqa: E402
+CACHE_KW = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
 
 
 def say(text=""):
@@ -119,7 +122,7 @@ def run_once(model, impl, ids, steps, cache_len, dtype, timers, kv):
     timers.take()
     with torch.no_grad():
         t0 = time.perf_counter()
-        out = model(ids, cache=cache, logits_to_keep=1)
+        out = model(ids, **{CACHE_KW: cache}, logits_to_keep=1)
         prefill = time.perf_counter() - t0
         t = timers.take()
         res = {"prefill_total": prefill,
@@ -129,7 +132,7 @@ def run_once(model, impl, ids, steps, cache_len, dtype, timers, kv):
         step_total, step_attn, step_update = [], [], []
         for _ in range(steps):
             t0 = time.perf_counter()
-            out = model(nxt, cache=cache)
+            out = model(nxt, **{CACHE_KW: cache})
             step_total.append(time.perf_counter() - t0)
             t = timers.take()
             step_attn.append(t.get(("attention", impl, "decode"), 0.0))
@@ -151,7 +154,7 @@ def run_padded(model, impl, ids, mask, timers):
 
 def generate_rate(model, impl, ids, new_tokens, kv):
     model.set_attn_implementation(impl)
-    kw = {"cache": kv} if impl == "fa2cpu" else {}
+    kw = {CACHE_KW: kv} if impl == "fa2cpu" else {}
     if impl == "fa2cpu":
         kv.reset()
     with torch.no_grad():

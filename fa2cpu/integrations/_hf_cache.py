@@ -456,7 +456,7 @@ class KVCache(Cache):
         quantized = self.kv_dtype in _CODE_DTYPES
         if int(max_batch_size) < 1 or int(max_cache_len) < 1:
             raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got {max_batch_size}, {max_cache_len}")
-        self.max_batch_size, self.max_cache_len = int(max_batch_size), int(max_cache_len)
+        self._max_batch_size, self._max_cache_len = int(max_batch_size), int(max_cache_len)
         self.dtype, self.paged, self.block_size = dtype, bool(paged), int(block_size)
         n_layers = cfg.num_hidden_layers
         hq = cfg.num_attention_heads
@@ -484,6 +484,15 @@ class KVCache(Cache):
             return caches + tuple(torch.zeros(shape_k[:-1], dtype=torch.float32, device=device) for _ in range(2))
         layers = [_KVLayer(self, *buffers()) for _ in range(n_layers)]
         super().__init__(layers=layers)
+
+    # Properties, not attributes: some transformers versions (5.17) define them read-only on Cache.
+    @property
+    def max_batch_size(self):
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self):
+        return self._max_cache_len
 
     def _allocate(self, batch, lengths):
         """Paged: make sure sequence b owns blocks for lengths[b] positions (idempotent)."""
