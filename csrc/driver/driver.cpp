@@ -69,9 +69,15 @@ namespace {
 
 // Split-KV policy (flash-decoding): with `num_splits = 0`, split the key axis only when the base
 // items cannot give every thread kMinItemsPerThread items, and never into pieces shorter than
-// kMinKeysPerSplit keys (a split costs a partial write + merge of its rows).
+// kMinKeysPerSplit keys or reading less than kMinSplitBytes of K/V, whichever is fewer keys (a
+// split costs a partial write + merge of its rows and an item's start, a few microseconds; 256 KB
+// is one bf16 kv head's 512 keys at D = 128). Items that span several kv heads (decode of an
+// interleaved cache) read kv_heads times the bytes per key, so they split into fewer keys:
+// without that, B=1 with 4 kv heads of 2048 keys (one item for all heads) got 4 items on 16
+// threads and ran at the speed of 4 cores (bench/RESULTS.md, issue 9).
 constexpr int64_t kMinItemsPerThread = 2;
 constexpr int64_t kMinKeysPerSplit = 512;
+constexpr int64_t kMinSplitBytes = int64_t(256) << 10;
 // Shared K/V tiles (kernel.h SharedTiles) are used when they fit in this many bytes; the buffer
 // is kept for the calling thread's next call up to kKeepSharedBytes.
 constexpr int64_t kSharedTilesBudgetBytes = int64_t(512) << 20;
@@ -189,7 +195,10 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         int64_t splits = p.num_splits;
         if (splits == 0) {
             const int64_t want = (int64_t(threads) * kMinItemsPerThread + nbase - 1) / std::max<int64_t>(nbase, 1);
-            splits = std::min(want, span / kMinKeysPerSplit);
+            const int64_t key_bytes = int64_t(bs.it.kv_heads) * (p.d + p.dv) * int64_t(dtype_size(kv_dtype(p)));
+            const int64_t min_keys = std::clamp<int64_t>(kMinSplitBytes / std::max<int64_t>(key_bytes, 1), 1,
+                                                         kMinKeysPerSplit);
+            splits = std::min(want, span / min_keys);
         }
         // Splits never cut one of the route's K/V tiles in two, and each holds at least one tile.
         const int64_t tiles = (span + tile - 1) / tile;
