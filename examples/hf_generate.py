@@ -10,6 +10,7 @@ tokens/s of both and, in float32, asserts that the greedy outputs are token-iden
 """
 import argparse
 import copy
+import inspect
 import os
 import time
 
@@ -77,13 +78,15 @@ def main(argv=None):
           f"vocab {args.vocab}, {args.dtype}; batch {args.batch} x prompt {args.prompt} (left-padded), "
           f"{args.new_tokens} new tokens; torch threads {torch.get_num_threads()}, fa2cpu {fa2cpu.get_isa()}")
 
+    # generate() takes the cache as cache= (transformers 5.24) or past_key_values= (5.17: no cache= yet).
+    cache_kw = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
     results = {}
     with torch.no_grad():
-        for name, model, kw in (("sdpa", sdpa, {}), ("fa2cpu", fa, {"cache": cache})):
+        for name, model, kw in (("sdpa", sdpa, {}), ("fa2cpu", fa, {cache_kw: cache})):
             model.generate(ids[:, -8:], attention_mask=mask[:, -8:], max_new_tokens=2, do_sample=False,
                            pad_token_id=config.pad_token_id)  # warm-up
-            if "cache" in kw:
-                kw["cache"].reset()
+            if kw:
+                cache.reset()
             t0 = time.perf_counter()
             out = model.generate(ids, **gen, **kw)
             elapsed = time.perf_counter() - t0

@@ -3,6 +3,7 @@ models (no download): logits vs sdpa/eager, token-identical greedy generation, m
 the kernels as options + a padding row (never dense for padded causal forwards), KVCache storage
 that never moves, and the examples."""
 import copy
+import inspect
 import os
 import subprocess
 import sys
@@ -75,14 +76,25 @@ def decoder(request):
     return (request.param,) + _pair(cfg, ref)
 
 
+# transformers renamed the cache argument of forward() / generate() (past_key_values -> cache;
+# 5.24 takes both, 5.17 only the old name): tests say cache=, these helpers pass the name in use.
+CACHE_KW = "cache" if "cache" in inspect.signature(transformers.LlamaModel.forward).parameters else "past_key_values"
+
+
+def _kw(kw):
+    if "cache" in kw:
+        kw[CACHE_KW] = kw.pop("cache")
+    return kw
+
+
 def _logits(model, ids, am, **kw):
     with torch.no_grad():
-        return model(ids, attention_mask=am, **kw).logits
+        return model(ids, attention_mask=am, **_kw(kw)).logits
 
 
 def _generate(model, ids, am, **kw):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False, **kw)
+        return model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False, **_kw(kw))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,10 +484,10 @@ def _teacher_forced(model, cache, seq, am):
     """Last-position logits of a prefill of seq[:, :N] then one decode step per later token."""
     out = []
     with torch.no_grad():
-        out.append(model(seq[:, :N], attention_mask=am, cache=cache).logits[:, -1])
+        out.append(model(seq[:, :N], attention_mask=am, **_kw({"cache": cache})).logits[:, -1])
         for t in range(N, seq.shape[1]):
             mask = torch.cat([am, torch.ones(am.shape[0], t + 1 - N, dtype=am.dtype)], 1)
-            out.append(model(seq[:, t:t + 1], attention_mask=mask, cache=cache).logits[:, -1])
+            out.append(model(seq[:, t:t + 1], attention_mask=mask, **_kw({"cache": cache})).logits[:, -1])
     return torch.stack(out)
 
 

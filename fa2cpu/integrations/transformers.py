@@ -7,7 +7,7 @@
     fa2hf.register()                      # once per process: attn_implementation="fa2cpu"
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="fa2cpu")
     cache = fa2hf.KVCache(model.config, max_batch_size=4, max_cache_len=4096, dtype=model.dtype)
-    out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # past_key_values= before 5.x
+    out = model.generate(**inputs, cache=cache, max_new_tokens=64)   # past_key_values= in 5.17 and older
     cache.reset()                         # the same buffers serve the next batch
 
 Importing this module imports torch and transformers (``import fa2cpu`` never does).
