@@ -162,6 +162,35 @@ def run(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out, object lse
     return out
 
 
+def run_strided(size_t q, int64_t qb, int64_t qh, int64_t qn, int64_t qd,
+                size_t k, int64_t kb, int64_t kh, int64_t kn, int64_t kd,
+                size_t v, int64_t vb, int64_t vh, int64_t vn, int64_t vd,
+                size_t out, int64_t ob, int64_t oh, int64_t on, int64_t od, *,
+                int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk, int64_t d,
+                int64_t dv, double scale, double softcap, int64_t win_left, int64_t win_right, int num_threads):
+    """``run`` for memory the caller describes by address and element strides ((batch, head,
+    position, feature) order, like run's views): fa2cpu.torch's lean route for plain tensors,
+    whose checks the caller has made (the same as the NumPy API's; options already normalised)."""
+    cdef Params p
+    p.dtype, p.batch, p.hq, p.hk, p.nq, p.nk, p.d, p.dv = dtype, batch, hq, hk, nq, nk, d, dv
+    p.q = <const void*>q
+    p.q_batch_stride, p.q_head_stride, p.q_row_stride, p.q_dim_stride = qb, qh, qn, qd
+    p.k = <const void*>k
+    p.k_batch_stride, p.k_head_stride, p.k_row_stride, p.k_dim_stride = kb, kh, kn, kd
+    p.v = <const void*>v
+    p.v_batch_stride, p.v_head_stride, p.v_row_stride, p.v_dim_stride = vb, vh, vn, vd
+    p.out = <void*>out
+    p.out_batch_stride, p.out_head_stride, p.out_row_stride, p.out_dim_stride = ob, oh, on, od
+    p.scale, p.softcap = scale, softcap
+    p.window_left, p.window_right = win_left, win_right
+    p.num_threads = num_threads
+    cdef int rc
+    with nogil:
+        rc = c.forward(p)
+    if rc != 0:
+        raise MemoryError("fa2cpu: could not allocate per-thread scratch memory")
+
+
 cdef class DecodeStep:
     """A prepared ``flash_attention_with_kvcache`` call with an append, over one float KV cache
     (the transformers KVCache's decode route, fa2cpu/integrations/_hf_cache.py): everything about

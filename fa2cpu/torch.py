@@ -39,7 +39,9 @@ import torch
 from ._torch_bridge import (_CACHE_VIEWS, _FLOATS, _check_tensors, _direct, _float_arg, _int_arg,  # noqa: F401
                             _no_grad_out, _np, _tensor, _use_torch_threads, _window_arg)
 from ._torch_ops import _fa_impl, _kvcache_impl, _varlen_impl  # importing it defines torch.ops.fa2cpu
-from ._checks import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _int
+from ._checks import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _int, _Options, _threads
+from ._torch_bridge import _PLAIN
+from . import _core
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
            "scaled_dot_product_attention", "patch_sdpa"]
@@ -80,6 +82,10 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     Returns ``out`` (q's shape with last dim Dv), or ``(out, lse)`` with lse float32 ``(B, Hq, Nq)``
     (``(Hq, Nq)`` / ``(Nq,)`` for 3-D / 2-D inputs).
     """
+    if alibi_slopes is None and mask is None and out is None and sinks is None and not return_lse:
+        o = _lean_flash_attention(q, k, v, causal, scale, window, softcap, layout, num_threads)
+        if o is not None:
+            return o
     if _direct(q, k, v) and not _sinks_need_grad(sinks):
         o, lse = _fa_impl(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout,
                           num_threads, return_lse, out, sinks)
@@ -94,6 +100,66 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
         return (out, lse) if return_lse else out
     o, lse = torch.ops.fa2cpu.flash_attention(*args, sinks)
     return (o, lse) if return_lse else o
+
+
+_LEAN_CODES = {t: _core.DTYPE_CODES[str(t).split(".")[1]] for t in _FLOATS}  # torch dtype -> kernels' code
+
+
+def _lean_flash_attention(q, k, v, causal, scale, window, softcap, layout, num_threads):
+    """flash_attention's common case on plain tensors, straight into the kernels -> a new out
+    tensor, or None (nothing done) for anything else, which the general path then handles and,
+    if wrong, words the error. Covered: 4-D CPU tensors of one kernel dtype, any strides, element
+    aligned, equal batch / kv shapes, no autograd to record, eager mode; options normalised by the
+    same code as the NumPy API (_Options, _threads), so the kernels get the same call. Why: the
+    general path's NumPy views and checks cost ~80 us of Python per call, several hundred when a
+    model's weights have just streamed through the caches (bench/RESULTS.md, issue 9)."""
+    if type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN:
+        return None
+    dtype = q.dtype
+    code = _LEAN_CODES.get(dtype)
+    if code is None or k.dtype is not dtype or v.dtype is not dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._is_torch_function_mode_enabled():
+        return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return None
+    if layout == "bshd":
+        B, Nq, Hq, D = qs
+        _, Nk, Hk, _ = ks
+        (qb, qn, qh, qd), (kb, kn, kh, kd), (vb, vn, vh, vd) = q.stride(), k.stride(), v.stride()
+        out_shape = (B, Nq, Hq, vs[3])
+    elif layout == "bhsd":
+        B, Hq, Nq, D = qs
+        _, Hk, Nk, _ = ks
+        (qb, qh, qn, qd), (kb, kh, kn, kd), (vb, vh, vn, vd) = q.stride(), k.stride(), v.stride()
+        out_shape = (B, Hq, Nq, vs[3])
+    else:
+        return None
+    Dv = vs[3]
+    if ks[0] != B or vs[0] != B or vs[1] != ks[1] or vs[2] != ks[2] or ks[3] != D or min(B, Hq, Hk, Nq, Nk) < 1 \
+            or Hq % Hk or not (0 < D <= _MAX_HEAD_DIM and 0 < Dv <= _MAX_HEAD_DIM):
+        return None
+    size = q.element_size()
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if qp % size or kp % size or vp % size:
+        return None
+    if not ((scale is None or type(scale) is float) and (softcap is None or type(softcap) is float)):
+        return None
+    options = _Options(D, causal, scale, window, softcap, Nq, Nk)
+    out = torch.empty(out_shape, dtype=dtype)
+    if layout == "bshd":  # out (B, Nq, Hq, Dv), C-contiguous
+        ob, on, oh = Nq * Hq * Dv, Hq * Dv, Dv
+    else:                 # out (B, Hq, Nq, Dv)
+        ob, oh, on = Hq * Nq * Dv, Nq * Dv, Dv
+    _core.run_strided(qp, qb, qh, qn, qd, kp, kb, kh, kn, kd, vp, vb, vh, vn, vd, out.data_ptr(), ob, oh, on, 1,
+                      dtype=code, batch=B, hq=Hq, hk=Hk, nq=Nq, nk=Nk, d=D, dv=Dv, scale=options.scale,
+                      softcap=options.softcap, win_left=options.left, win_right=options.right,
+                      num_threads=_threads(num_threads))
+    return out
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,

@@ -120,6 +120,46 @@ def test_flash_attention_matches_numpy(rng, dtype, case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_lean_route_gives_the_numpy_bits(rng, dtype, monkeypatch):
+    """flash_attention's lean route (plain tensors straight into the kernels, fa2cpu.torch
+    _lean_flash_attention) gives the NumPy API's bits for what it covers (4-D, both layouts, GQA,
+    Nq != Nk, tile edges, causal / window / softcap / scale, broadcast and sliced K/V, float32
+    options normalised the same way) and is not taken for what it does not cover."""
+    taken = []
+    real = ft._core.run_strided
+    monkeypatch.setattr(ft._core, "run_strided", lambda *a, **kw: (taken.append(1), real(*a, **kw))[1])
+    for layout in ("bhsd", "bshd"):
+        for B, Hq, Hk, Nq, Nk, D, Dv in ((1, 1, 1, 1, 1, 8, 8), (2, 4, 2, 7, 13, 16, 24), (1, 8, 2, 1, 65, 64, 64),
+                                         (1, 3, 3, 97, 31, 40, 40), (2, 6, 3, 129, 129, 128, 128)):
+            def shape(h, n, d):
+                return (B, h, n, d) if layout == "bhsd" else (B, n, h, d)
+            q = trand(rng, shape(Hq, Nq, D), dtype)
+            k = trand(rng, shape(Hk, 2 * Nk, D), dtype)
+            k = k[:, :, ::2] if layout == "bhsd" else k[:, ::2]          # strided rows
+            v = trand(rng, (1,) + shape(Hk, Nk, Dv)[1:], dtype).expand(shape(Hk, Nk, Dv))  # zero batch stride
+            for opts in (dict(), dict(causal=True), dict(window=(5, 2), softcap=3.0, scale=0.25),
+                         dict(window=(Nk + 10, -1), causal=True), dict(num_threads=1)):
+                before = len(taken)
+                got = ft.flash_attention(q, k, v, layout=layout, **opts)
+                assert len(taken) == before + 1, (layout, opts)
+                want = fa2cpu.flash_attention(N(q), N(k), N(v), layout=layout, **opts)
+                assert got.is_contiguous() and got.dtype == q.dtype
+                same(got, want)
+    q, k, v = (trand(rng, (1, 2, 5, 8), dtype) for _ in range(3))
+    before = len(taken)
+    ft.flash_attention(q[0], k[0], v[0])                                 # 3-D: the general path
+    ft.flash_attention(q, k, v, return_lse=True)                         # lse: the general path
+    ft.flash_attention(q, k, v, scale=np.float32(0.5))                   # a NumPy scalar: the general path
+    if dtype == "float32":
+        ft.flash_attention(q.requires_grad_(), k, v).sum().backward()   # autograd: the operator
+        assert q.grad is not None
+    assert len(taken) == before
+    with torch.no_grad():
+        ft.flash_attention(q, k, v)                                       # no graph to record: lean
+    assert len(taken) == before + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_flash_attention_options_and_mask(rng, dtype):
     B, Hq, Hk, Nq, Nk, D = 2, 4, 2, 7, 11, 16
     q, k, v = trand(rng, (B, Hq, Nq, D), dtype), trand(rng, (B, Hk, Nk, D), dtype), trand(rng, (B, Hk, Nk, D), dtype)
