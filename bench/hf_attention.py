@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--save", default=None, help="also write the report to this file")
+    p.add_argument("--fa2cpu-cache", choices=("kvcache", "dynamic"), default="kvcache",
+                   help="fa2cpu's cache: its KVCache (default) or transformers' DynamicCache, like sdpa")
     return p.parse_args(argv)
 
 
@@ -75,6 +77,7 @@ class Timers:
 
     def __init__(self):
         self.t = {}
+        self.impl = None
 
     def add(self, key, dt):
         self.t[key] = self.t.get(key, 0.0) + dt
@@ -87,11 +90,12 @@ class Timers:
             return r
         return timed
 
-    def update(self, fn, impl):
+    def update(self, fn):
+        """A cache's update, timed for the implementation running (run_once sets self.impl)."""
         def timed(layer, key_states, *args, **kwargs):
             t0 = time.perf_counter()
             r = fn(layer, key_states, *args, **kwargs)
-            self.add(("update", impl, "prefill" if key_states.shape[2] > 1 else "decode"), time.perf_counter() - t0)
+            self.add(("update", self.impl, "prefill" if key_states.shape[2] > 1 else "decode"), time.perf_counter() - t0)
             return r
         return timed
 
@@ -114,7 +118,8 @@ def cpu_model():
 def run_once(model, impl, ids, steps, cache_len, dtype, timers, kv):
     """Prefill + `steps` decode forwards; -> dict of times (s)."""
     model.set_attn_implementation(impl)
-    if impl == "fa2cpu":
+    timers.impl = impl
+    if impl == "fa2cpu" and kv is not None:
         kv.reset()
         cache = kv
     else:
@@ -154,8 +159,8 @@ def run_padded(model, impl, ids, mask, timers):
 
 def generate_rate(model, impl, ids, new_tokens, kv):
     model.set_attn_implementation(impl)
-    kw = {CACHE_KW: kv} if impl == "fa2cpu" else {}
-    if impl == "fa2cpu":
+    kw = {CACHE_KW: kv} if impl == "fa2cpu" and kv is not None else {}
+    if kw:
         kv.reset()
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -172,8 +177,8 @@ def main():
     # Timed wrappers of both registered attention functions and of both caches' update.
     AttentionInterface.register("sdpa", timers.attention(sdpa_attention_forward, "sdpa"))
     AttentionInterface.register("fa2cpu", timers.attention(fa2hf.fa2cpu_attention_forward, "fa2cpu"))
-    cache_utils.DynamicLayer.update = timers.update(cache_utils.DynamicLayer.update, "sdpa")
-    fa2hf._KVLayer.update = timers.update(fa2hf._KVLayer.update, "fa2cpu")
+    cache_utils.DynamicLayer.update = timers.update(cache_utils.DynamicLayer.update)
+    fa2hf._KVLayer.update = timers.update(fa2hf._KVLayer.update)
 
     cmd = "python " + " ".join(shlex.quote(x) for x in sys.argv)
     say(f"# bench/hf_attention.py — attention inside a transformers Llama-style model")
@@ -200,7 +205,7 @@ def main():
             max_position_embeddings=max(4096, 2 * a.prompt), bos_token_id=1, eos_token_id=2, pad_token_id=0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).eval()
         cache_len = a.prompt + max(a.decode_steps, a.generate_tokens) + 1
-        kv = fa2hf.KVCache(model.config, 1, cache_len, dtype=dtype)
+        kv = fa2hf.KVCache(model.config, 1, cache_len, dtype=dtype) if a.fa2cpu_cache == "kvcache" else None
         ids = torch.randint(3, a.vocab, (1, a.prompt), generator=torch.Generator().manual_seed(1))
         run_once(model, "sdpa", ids[:, :64], 2, cache_len, dtype, timers, kv)    # warm-up
         run_once(model, "fa2cpu", ids[:, :64], 2, cache_len, dtype, timers, kv)
@@ -251,8 +256,9 @@ def main():
     for line in e2e:
         say("  " + line)
     say()
+    fa_cache = "KVCache" if a.fa2cpu_cache == "kvcache" else "DynamicCache"
     say(f"phases: prefill = 1 x {a.prompt} tokens with cache; decode = 1 token at {a.prompt}+ context "
-        f"(fa2cpu: KVCache, sdpa: DynamicCache, whose torch.cat is the 'cache update'); padded = 2 x {a.prompt // 2} "
+        f"(fa2cpu: {fa_cache}, sdpa: DynamicCache, whose torch.cat is the 'cache update'); padded = 2 x {a.prompt // 2} "
         f"tokens, the second left-padded by {a.prompt // 4}, no cache (fa2cpu: packed sequences, varlen).")
     say(f"load average at end: {os.getloadavg()[0]:.2f}")
     say("speedup = sdpa time / fa2cpu time (> 1: fa2cpu faster). Goals (issue 9): prefill attention >= 1.3x, "
