@@ -69,12 +69,12 @@ namespace {
 
 // Split-KV policy (flash-decoding): with `num_splits = 0`, split the key axis only when the base
 // items cannot give every thread kMinItemsPerThread items, and never into pieces shorter than
-// kMinKeysPerSplit keys or reading less than kMinSplitBytes of K/V, whichever is fewer keys (a
-// split costs a partial write + merge of its rows and an item's start, a few microseconds; 256 KB
-// is one bf16 kv head's 512 keys at D = 128). Items that span several kv heads (decode of an
-// interleaved cache) read kv_heads times the bytes per key, so they split into fewer keys:
-// without that, B=1 with 4 kv heads of 2048 keys (one item for all heads) got 4 items on 16
-// threads and ran at the speed of 4 cores (bench/RESULTS.md, issue 9).
+// kMinKeysPerSplit keys (a split costs a partial write + merge of its rows and an item's start).
+// Items that span several kv heads (decode of an interleaved cache) read kv_heads times the bytes
+// per key: their minimum is kMinSplitBytes of K/V instead, when that is fewer keys (256 KB is one
+// bf16 kv head's 512 keys at D = 128). Without it, B=1 with 4 kv heads of 2048 keys (one item for
+// all heads) got 4 items on 16 threads and ran at the speed of 4 cores (bench/RESULTS.md, issue
+// 9). Single-head items keep the key minimum: only the multi-head case was measured to gain.
 constexpr int64_t kMinItemsPerThread = 2;
 constexpr int64_t kMinKeysPerSplit = 512;
 constexpr int64_t kMinSplitBytes = int64_t(256) << 10;
@@ -196,8 +196,9 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         if (splits == 0) {
             const int64_t want = (int64_t(threads) * kMinItemsPerThread + nbase - 1) / std::max<int64_t>(nbase, 1);
             const int64_t key_bytes = int64_t(bs.it.kv_heads) * (p.d + p.dv) * int64_t(dtype_size(kv_dtype(p)));
-            const int64_t min_keys = std::clamp<int64_t>(kMinSplitBytes / std::max<int64_t>(key_bytes, 1), 1,
-                                                         kMinKeysPerSplit);
+            const int64_t min_keys = bs.it.kv_heads > 1 ? std::clamp<int64_t>(kMinSplitBytes / std::max<int64_t>(key_bytes, 1), 1,
+                                                                              kMinKeysPerSplit)
+                                                        : kMinKeysPerSplit;
             splits = std::min(want, span / min_keys);
         }
         // Splits never cut one of the route's K/V tiles in two, and each holds at least one tile.
