@@ -4,7 +4,8 @@ pointers and element strides, releases the GIL and calls the kernel. All argumen
 happens before this point, in fa2cpu/attention.py."""
 cimport numpy as cnp
 import numpy as np
-from libc.stdint cimport int32_t, int64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
+from libc.math cimport fabsf, isfinite, ldexpf, nearbyintf
 from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
 
@@ -16,6 +17,7 @@ cnp.import_array()
 # The catalogue (csrc/include/fa2cpu/catalogue.def), as the C++ core was built with it.
 ISA_NAMES = tuple(c.isa_name(i).decode() for i in range(c.isa_count()))  # best first
 DTYPE_CODES = {c.dtype_name(i).decode(): i for i in range(c.dtype_count())}  # NumPy name -> code
+cdef int DTYPE_F32 = DTYPE_CODES["float32"], DTYPE_BF16 = DTYPE_CODES["bfloat16"], DTYPE_I8 = DTYPE_CODES["int8"]
 
 
 cdef inline void _strides4(cnp.ndarray a, int64_t* s):
@@ -192,13 +194,17 @@ def run_strided(size_t q, int64_t qb, int64_t qh, int64_t qn, int64_t qd,
 
 
 cdef class DecodeStep:
-    """A prepared ``flash_attention_with_kvcache`` call with an append, over one float KV cache
-    (the transformers KVCache's decode route, fa2cpu/integrations/_hf_cache.py): everything about
-    the cache is read once here, so a step reads nothing but the integers it is given.
+    """A prepared ``flash_attention_with_kvcache`` call with an append, over one KV cache (the
+    transformers KVCache's decode route, fa2cpu/integrations/_hf_cache.py): everything about the
+    cache is read once here, so a step reads nothing but the integers it is given.
 
     k_cache / v_cache: the cache's 4-D (batch, head, position, feature) views (contiguous caches)
     or (block, head, row, feature) views with ``block_table`` int32 (B, max_blocks) (paged), of
     the kernels' dtype ``dtype`` (a DType code), element-strided, writable; kept alive here.
+    A quantized cache: ``kv_dtype`` its codes' DType (int8 / float8_e4m3fn) and ``k_scale`` /
+    ``v_scale`` float32 3-D views (batch | block, head, position | row) of the scales; new keys
+    / values are quantized by the NumPy append's rule (fa2cpu/attention.py _quantize, float32
+    arithmetic, the same bits: tests/test_transformers.py).
 
     A step trusts its caller for what only the caller can know (the pointers address live
     tensors of the dtype given, with the strides given, not overlapping the cache; the block
@@ -211,16 +217,33 @@ cdef class DecodeStep:
     cdef int64_t itemsize, cache_batch, capacity
     cdef int64_t kcs[4]
     cdef int64_t vcs[4]
+    cdef int64_t kss[3]
+    cdef int64_t vss[3]
+    cdef float* k_scale_base
+    cdef float* v_scale_base
     cdef int64_t[::1] lengths   # the kernels' seqlen_k of one step
 
     def __init__(self, cnp.ndarray k_cache, cnp.ndarray v_cache, object block_table, int64_t block_size,
-                 int dtype):
-        cdef cnp.ndarray bt
+                 int dtype, int kv_dtype=-1, object k_scale=None, object v_scale=None):
+        cdef cnp.ndarray bt, ks, vs
+        cdef int i
         if _element_strided(k_cache) is not k_cache or _element_strided(v_cache) is not v_cache:
             raise ValueError("k_cache, v_cache: must be element-strided")
-        self.keep = (k_cache, v_cache, block_table)
+        self.keep = (k_cache, v_cache, block_table, k_scale, v_scale)
         self.p.dtype = dtype
-        self.p.kv_dtype = -1
+        self.p.kv_dtype = kv_dtype
+        if kv_dtype >= 0:
+            ks, vs = k_scale, v_scale
+            if cnp.PyArray_TYPE(ks) != cnp.NPY_FLOAT32 or cnp.PyArray_TYPE(vs) != cnp.NPY_FLOAT32 \
+                    or _element_strided(ks) is not ks or _element_strided(vs) is not vs:
+                raise ValueError("k_scale, v_scale: expected element-strided float32 views")
+            self.k_scale_base, self.v_scale_base = <float*>cnp.PyArray_DATA(ks), <float*>cnp.PyArray_DATA(vs)
+            for i in range(3):
+                self.kss[i] = cnp.PyArray_STRIDES(ks)[i] // 4
+                self.vss[i] = cnp.PyArray_STRIDES(vs)[i] // 4
+            self.p.k_scale, self.p.v_scale = self.k_scale_base, self.v_scale_base
+            self.p.k_scale_batch_stride, self.p.k_scale_head_stride, self.p.k_scale_row_stride = self.kss[0], self.kss[1], self.kss[2]
+            self.p.v_scale_batch_stride, self.p.v_scale_head_stride, self.p.v_scale_row_stride = self.vss[0], self.vss[1], self.vss[2]
         self.itemsize = cnp.PyArray_ITEMSIZE(k_cache)
         self.p.hk = cnp.PyArray_DIM(k_cache, 1)
         self.p.d = cnp.PyArray_DIM(k_cache, 3)
@@ -257,10 +280,13 @@ cdef class DecodeStep:
         sequence (at least ``batch`` entries); the first ``batch`` grow by n_new once the new
         tokens are stored (nothing is written when a check fails).
         win_left / win_right as the kernels take them (-1 unbounded). Not thread-safe: one step
-        object serves one caller at a time (it owns the kernels' per-step lengths)."""
+        object serves one caller at a time (it owns the kernels' per-step lengths).
+        Returns True; False (nothing written) when a quantized cache gets an inf / NaN key or value,
+        which the caller's general path refuses with its own error."""
         cdef int32_t* lens
         cdef int64_t b, t, h, pos, row, blk
-        cdef int64_t hk = self.p.hk, dv = self.p.dv, item = self.itemsize
+        cdef int64_t hk = self.p.hk, dv = self.p.dv, item = self.itemsize  # the cache's element size
+        cdef int64_t src_item = 4 if self.p.dtype == DTYPE_F32 else 2       # q's, and the new k / v's
         cdef char* dst
         cdef const char* src
         if cnp.PyArray_TYPE(seqlens) != cnp.NPY_INT32 or cnp.PyArray_NDIM(seqlens) != 1 \
@@ -276,6 +302,18 @@ cdef class DecodeStep:
             if self.lengths[b] < n_new or self.lengths[b] > self.capacity:
                 raise ValueError(f"decode step: sequence {b} would hold {self.lengths[b]} positions "
                                  f"(capacity {self.capacity})")
+        cdef bint finite = True
+        if self.p.kv_dtype >= 0:
+            with nogil:
+                for b in range(batch):
+                    for t in range(n_new):
+                        for h in range(hk):
+                            finite = finite and _finite_row(<const char*>k + (b * kb + h * kh + t * kn) * src_item,
+                                                            kd, self.p.d, self.p.dtype)
+                            finite = finite and _finite_row(<const char*>v + (b * vb + h * vh + t * vn) * src_item,
+                                                            vd, dv, self.p.dtype)
+            if not finite:
+                return False
         cdef Params p = self.p
         p.batch, p.hq, p.nq, p.nk = batch, hq, nq, self.capacity
         p.q = <const void*>q
@@ -300,17 +338,112 @@ cdef class DecodeStep:
                     else:
                         blk, row = b, pos
                     for h in range(hk):
-                        dst = self.k_base + (blk * self.kcs[0] + h * self.kcs[1] + row * self.kcs[2]) * item
-                        src = <const char*>k + (b * kb + h * kh + t * kn) * item
-                        _copy_row(dst, self.kcs[3], src, kd, self.p.d, item)
-                        dst = self.v_base + (blk * self.vcs[0] + h * self.vcs[1] + row * self.vcs[2]) * item
-                        src = <const char*>v + (b * vb + h * vh + t * vn) * item
-                        _copy_row(dst, self.vcs[3], src, vd, dv, item)
+                        src = <const char*>k + (b * kb + h * kh + t * kn) * src_item
+                        if p.kv_dtype < 0:
+                            dst = self.k_base + (blk * self.kcs[0] + h * self.kcs[1] + row * self.kcs[2]) * item
+                            _copy_row(dst, self.kcs[3], src, kd, self.p.d, item)
+                        else:
+                            dst = self.k_base + blk * self.kcs[0] + h * self.kcs[1] + row * self.kcs[2]
+                            self.k_scale_base[blk * self.kss[0] + h * self.kss[1] + row * self.kss[2]] = _quantize_row(
+                                dst, self.kcs[3], src, kd, self.p.d, p.dtype, p.kv_dtype)
+                        src = <const char*>v + (b * vb + h * vh + t * vn) * src_item
+                        if p.kv_dtype < 0:
+                            dst = self.v_base + (blk * self.vcs[0] + h * self.vcs[1] + row * self.vcs[2]) * item
+                            _copy_row(dst, self.vcs[3], src, vd, dv, item)
+                        else:
+                            dst = self.v_base + blk * self.vcs[0] + h * self.vcs[1] + row * self.vcs[2]
+                            self.v_scale_base[blk * self.vss[0] + h * self.vss[1] + row * self.vss[2]] = _quantize_row(
+                                dst, self.vcs[3], src, vd, dv, p.dtype, p.kv_dtype)
             for b in range(batch):
                 lens[b] = <int32_t>self.lengths[b]
             rc = c.forward(p)
         if rc != 0:
             raise MemoryError("fa2cpu: could not allocate per-thread scratch memory")
+        return True
+
+
+cdef inline float _load(const char* src, int dtype) noexcept nogil:
+    """One element of a kernel dtype (DType code: float32, float16 or bfloat16) as float32, exactly."""
+    cdef uint32_t bits
+    cdef uint16_t h
+    cdef float f
+    if dtype == DTYPE_F32:
+        memcpy(&f, src, 4)
+        return f
+    memcpy(&h, src, 2)
+    if dtype == DTYPE_BF16:
+        bits = (<uint32_t>h) << 16
+    else:  # float16
+        bits = (<uint32_t>(h & 0x8000)) << 16
+        if (h >> 10) & 0x1F == 0:  # zero or subnormal: mant * 2^-24, exact in float32
+            f = ldexpf(<float>(h & 0x3FF), -24)
+            return -f if h & 0x8000 else f
+        if (h >> 10) & 0x1F == 0x1F:
+            bits = bits | 0x7F800000 | ((<uint32_t>(h & 0x3FF)) << 13)
+        else:
+            bits = bits | ((<uint32_t>(((h >> 10) & 0x1F) + 112)) << 23) | ((<uint32_t>(h & 0x3FF)) << 13)
+    memcpy(&f, &bits, 4)
+    return f
+
+
+cdef inline bint _finite_row(const char* src, int64_t stride, int64_t n, int dtype) noexcept nogil:
+    cdef int64_t i
+    cdef int64_t item = 4 if dtype == DTYPE_F32 else 2
+    for i in range(n):
+        if not isfinite(_load(src + i * stride * item, dtype)):
+            return False
+    return True
+
+
+cdef inline uint8_t _e4m3(float y) noexcept nogil:
+    """float8_e4m3fn code of a finite |y| <= 448, rounded to nearest even (subnormals below 2^-6)."""
+    cdef uint32_t bits, mant, rem
+    cdef int32_t e
+    cdef uint8_t sign, r
+    memcpy(&bits, &y, 4)
+    sign = <uint8_t>((bits >> 24) & 0x80)
+    cdef float a = fabsf(y)
+    if a < 0.015625:  # subnormal: m * 2^-9, m = 8 rounds up into the smallest normal's code
+        return sign | <uint8_t>nearbyintf(a * 512.0)
+    e = <int32_t>((bits >> 23) & 0xFF) - 127
+    mant = bits & 0x7FFFFF
+    r = <uint8_t>(mant >> 20)
+    rem = mant & 0xFFFFF
+    if rem > 0x80000 or (rem == 0x80000 and (r & 1)):
+        r += 1
+        if r == 8:
+            r = 0
+            e += 1
+    return sign | <uint8_t>((e + 7) << 3) | r
+
+
+cdef inline float _quantize_row(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t n,
+                                int dtype, int kv_dtype) noexcept nogil:
+    """Codes of n finite elements into dst (1-byte codes, element stride dst_stride); returns the
+    row's scale. The rule of fa2cpu/attention.py _quantize in float32: scale = max|x| / limit
+    (127 int8, 448 float8), y = x / (scale or 1), int8 rounds half to even, both clamp to
+    [-limit, limit]."""
+    cdef int64_t i
+    cdef int64_t item = 4 if dtype == DTYPE_F32 else 2
+    cdef float x, y, amax = 0.0
+    cdef bint i8 = kv_dtype == DTYPE_I8
+    cdef float limit = 127.0 if i8 else 448.0
+    for i in range(n):
+        x = fabsf(_load(src + i * src_stride * item, dtype))
+        if x > amax:
+            amax = x
+    cdef float sc = amax / limit
+    cdef float div = sc if sc > 0 else <float>1.0
+    for i in range(n):
+        y = _load(src + i * src_stride * item, dtype) / div
+        if i8:
+            y = nearbyintf(y)
+        y = limit if y > limit else (-limit if y < -limit else y)
+        if i8:
+            (<int8_t*>(dst + i * dst_stride))[0] = <int8_t>y
+        else:
+            (<uint8_t*>(dst + i * dst_stride))[0] = _e4m3(y)
+    return sc
 
 
 cdef inline void _copy_row(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t n,

@@ -145,11 +145,13 @@ def test_kvcache_forward_paths_match_sdpa():
 
 @pytest.mark.parametrize("model", ["llama", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kvcache_decode_route_is_the_general_call(model, dtype, monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8, torch.float8_e4m3fn])
+def test_kvcache_decode_route_is_the_general_call(model, dtype, kv_dtype, monkeypatch):
     """KVCache's decode route (one prepared DecodeStep call: append + attend) gives the bits of
     the general flash_attention_with_kvcache call it replaces: chunked prefill (Nq > 1) and decode,
     contiguous and paged, uniform lengths and left padding (per-sequence lengths), GQA, sliding
-    window and softcap (gemma2); the cache ends up byte-identical and the lengths agree."""
+    window and softcap (gemma2), float and quantized caches (codes quantized in C by the NumPy
+    append's rule); the cache (codes and scales) ends up byte-identical and the lengths agree."""
     cfg, _ = _configs()[model]
     torch.manual_seed(0)
     fa = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=NAME,
@@ -161,7 +163,7 @@ def test_kvcache_decode_route_is_the_general_call(model, dtype, monkeypatch):
             with monkeypatch.context() as m:
                 if not route:
                     m.setattr(fh._KVLayer, "_make_step", lambda self: False)
-                cache = fh.KVCache(fa.config, 2, N + 8, dtype=dtype, paged=paged, block_size=5)
+                cache = fh.KVCache(fa.config, 2, N + 8, dtype=dtype, paged=paged, block_size=5, kv_dtype=kv_dtype)
                 outs = [_logits(fa, ids[:, :9], am[:, :9], cache=cache),
                         _logits(fa, ids[:, 9:N], am, cache=cache)]  # chunked prefill, Nq = 15
                 for t in range(4):                                     # decode steps
@@ -169,15 +171,66 @@ def test_kvcache_decode_route_is_the_general_call(model, dtype, monkeypatch):
                     outs.append(_logits(fa, outs[-1][:, -1:].argmax(-1), am, cache=cache))
                 am = am[:, :N]
                 steps = [layer._step for layer in cache.layers]
-                runs.append((outs, [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in cache.layers],
+                runs.append((outs, [[buf.view(torch.uint8).clone() for buf in layer._buffers()] for layer in cache.layers],
                              cache.seqlens().tolist()))
             assert all((s not in (None, False)) == route for s in steps), (pad, paged, steps)
         (a, ca, la), (b, cb, lb) = runs
         assert la == lb, (pad, paged)
         for x, y in zip(a, b):
             assert torch.equal(x, y), (pad, paged)
-        for (k1, v1), (k2, v2) in zip(ca, cb):
-            assert torch.equal(k1, k2) and torch.equal(v1, v2), (pad, paged)
+        for bufs1, bufs2 in zip(ca, cb):
+            assert all(torch.equal(x, y) for x, y in zip(bufs1, bufs2)), (pad, paged)
+
+
+@pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_step_quantizes_like_numpy(code, dtype):
+    """DecodeStep's C quantizer gives the codes and scales of the NumPy append's rule
+    (fa2cpu.attention._quantize) bit for bit: random rows, rows whose max is the limit (scale 1,
+    so ties reach the rounding: halves for int8, midpoints of float8 codes), tiny values (float8
+    subnormals), zero rows (scale 0), negative zero; and refuses inf / NaN without writing."""
+    import math
+
+    import numpy as np
+    from fa2cpu import _core
+    from fa2cpu._torch_bridge import _np, _tensor
+    from fa2cpu.attention import _quantize
+    D, rows = 16, 12
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, D, generator=g) * torch.logspace(-4, 3, rows)[:, None]
+    if code is torch.int8:
+        x[0] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.5, -0.0, 0.0, 10.5, 11.5, -7.5, 64.5])
+    else:
+        x[0] = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 0.0029296875, 0.0009765625, 3.0e-3, -0.0, 0.0,
+                             17.0, 19.0, 400.0, 432.0, -432.0, 0.01464843750, 0.00048828125])
+    x[1] = 0.0
+    x[2] = -0.0
+    x[3] = x[3] * 1e-6
+    x = x.to(dtype)
+    cache = torch.zeros(1, rows, 1, D, dtype=code)       # (B, Ncap, Hk, D): one head, a row per position
+    scales = torch.zeros(1, rows, 1)
+    vcache, vscales = torch.zeros_like(cache), torch.zeros_like(scales)
+    step = _core.DecodeStep(_np("k", cache).transpose(0, 2, 1, 3), _np("v", vcache).transpose(0, 2, 1, 3), None, 0,
+                            _core.DTYPE_CODES[str(dtype).split(".")[1]], _core.DTYPE_CODES[str(code).split(".")[1]],
+                            _np("ks", scales).transpose(0, 2, 1), _np("vs", vscales).transpose(0, 2, 1))
+    q = torch.zeros(1, 1, 1, D, dtype=dtype)
+    out = torch.empty(1, 1, 1, D, dtype=dtype)
+    kn = x[None, None]                                   # (B=1, Hk=1, n_new=rows, D)
+    seqlens = np.zeros(1, np.int32)
+    assert step(q.data_ptr(), *q.stride(), kn.data_ptr(), *kn.stride(), kn.data_ptr(), *kn.stride(), out.data_ptr(),
+                1, 1, 1, D, rows, seqlens, 1 / math.sqrt(D), 0.0, -1, -1)
+    want_codes, want_scales = _quantize(_np("x", x)[None], _np("c", cache), True)
+    assert np.array_equal(_np("c", cache)[0, :, 0].view(np.uint8), want_codes[0].view(np.uint8))
+    assert np.array_equal(_np("s", scales)[0, :, 0].view(np.uint32), want_scales[0].view(np.uint32))
+    assert torch.equal(vcache.view(torch.uint8), cache.view(torch.uint8)) and seqlens[0] == rows
+    assert torch.equal(_tensor(want_codes[0]).view(torch.uint8), cache[0, :, 0].view(torch.uint8))
+    before = cache.clone(), scales.clone()
+    bad = x.clone()
+    bad[5, 3] = float("inf") if dtype is not torch.float16 else float("nan")
+    kn = bad[None, None]
+    assert not step(q.data_ptr(), *q.stride(), kn.data_ptr(), *kn.stride(), kn.data_ptr(), *kn.stride(),
+                    out.data_ptr(), 1, 1, 1, D, rows, np.zeros(1, np.int32), 1 / math.sqrt(D), 0.0, -1, -1)
+    assert torch.equal(cache.view(torch.uint8), before[0].view(torch.uint8)) and torch.equal(scales, before[1])
 
 
 def test_decode_step_checks_before_writing():

@@ -1,6 +1,7 @@
 """The preallocated KV cache of fa2cpu's transformers integration (:class:`KVCache`): each layer's
 ``update`` hands the new keys/values to the attention function, which appends them in place and
-attends in one ``flash_attention_with_kvcache`` call. Design notes: fa2cpu/integrations/transformers.py.
+attends in one core call (``flash_attention_with_kvcache``'s, prepared once per layer: _step_attend).
+Design notes: fa2cpu/integrations/transformers.py.
 """
 import math
 
@@ -310,7 +311,7 @@ class _KVLayer(CacheLayerMixin):
         return out
 
     def _step_attend(self, query, k_new, v_new, B, n_new, scaling, softcap, lo, hi):
-        """The decode route of a float cache: one prepared core call (:class:`fa2cpu._core.DecodeStep`)
+        """The decode route: one prepared core call (:class:`fa2cpu._core.DecodeStep`)
         appends and attends, so a step runs a few lines of Python instead of the NumPy API's checks
         and views. Why it matters: between two attention calls the model streams its weights
         through the caches, and cold Python costs ~10 us per call level (measured: the same
@@ -329,26 +330,28 @@ class _KVLayer(CacheLayerMixin):
         if self._owner.paged:
             self._owner._allocate(B, self._seqlens[:B] + n_new)
         out = torch.empty((b, m, hq, self._dv), dtype=dtype)
-        step(query.data_ptr(), *query.stride(), k_new.data_ptr(), *k_new.stride(), v_new.data_ptr(),
-             *v_new.stride(), out.data_ptr(), b, hq, m, d, n_new, self._seqlens,
-             1.0 / math.sqrt(d) if scaling is None else float(scaling), float(softcap or 0.0), lo, hi)
-        torch._C._increment_version((self.k_cache, self.v_cache))
+        if not step(query.data_ptr(), *query.stride(), k_new.data_ptr(), *k_new.stride(), v_new.data_ptr(),
+                    *v_new.stride(), out.data_ptr(), b, hq, m, d, n_new, self._seqlens,
+                    1.0 / math.sqrt(d) if scaling is None else float(scaling), float(softcap or 0.0), lo, hi):
+            return None  # inf / NaN for a quantized cache: nothing written; the general path raises
+        torch._C._increment_version(self._buffers())
         return out
 
     def _make_step(self):
-        """The layer's DecodeStep, or False for a cache outside the decode route (quantized,
-        not on the CPU)."""
+        """The layer's DecodeStep, or False for a cache outside the decode route (not on the CPU)."""
         from fa2cpu import _core
-        if self.k_scale is not None or not self.k_cache.is_cpu:
+        if not self.k_cache.is_cpu:
             return False
-        if self._owner.paged:
-            table = self._owner.block_table.numpy()
-        else:
-            table = None
+        table = self._owner.block_table.numpy() if self._owner.paged else None
         k4 = _np("k_cache", self.k_cache).transpose(0, 2, 1, 3)  # the core's (batch|block, head, row, feature)
         v4 = _np("v_cache", self.v_cache).transpose(0, 2, 1, 3)
         self._dv = self.v_cache.shape[-1]
-        return _core.DecodeStep(k4, v4, table, self._owner.block_size, _core.DTYPE_CODES[k4.dtype.name])
+        dtype = _core.DTYPE_CODES[str(self._owner.dtype).split(".")[1]]
+        if self.k_scale is None:
+            return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype)
+        # quantized: codes and their scales, (batch|block, head, row)
+        return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype, _core.DTYPE_CODES[k4.dtype.name],
+                                _np("k_scale", self.k_scale).transpose(0, 2, 1), _np("v_scale", self.v_scale).transpose(0, 2, 1))
 
     def _to_positions(self, row):
         """Store sequences at transformers' positions again (undo dropped left padding)."""

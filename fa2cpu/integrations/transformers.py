@@ -42,8 +42,8 @@ The KV cache
 :class:`KVCache` preallocates every layer's keys and values in flash-attn layout
 ``(B, Ncap, Hk, D)`` (or paged blocks ``(num_blocks, block_size, Hk, D)`` with a block table).
 Its ``update`` does not copy: it hands the new keys/values to the attention function, which appends
-them in place and attends in one ``flash_attention_with_kvcache`` call, so ``generate`` never
-concatenates K/V. Left padding (what ``generate`` uses for batches) is dropped when the prompt is
+them in place and attends in one core call (``flash_attention_with_kvcache``'s, prepared once per
+layer), so ``generate`` never concatenates K/V. Left padding (what ``generate`` uses for batches) is dropped when the prompt is
 stored: each sequence keeps only its real tokens and its own length (``cache_seqlens``), which is
 exact because pads sit before every real token (causal and sliding-window distances between real
 tokens are unchanged). Any other padding pattern switches that layer's storage to transformers'
