@@ -242,8 +242,9 @@ cdef class DecodeStep:
                 self.kss[i] = cnp.PyArray_STRIDES(ks)[i] // 4
                 self.vss[i] = cnp.PyArray_STRIDES(vs)[i] // 4
             self.p.k_scale, self.p.v_scale = self.k_scale_base, self.v_scale_base
-            self.p.k_scale_batch_stride, self.p.k_scale_head_stride, self.p.k_scale_row_stride = self.kss[0], self.kss[1], self.kss[2]
-            self.p.v_scale_batch_stride, self.p.v_scale_head_stride, self.p.v_scale_row_stride = self.vss[0], self.vss[1], self.vss[2]
+            self.p.k_scale_batch_stride, self.p.k_scale_head_stride = self.kss[0], self.kss[1]
+            self.p.v_scale_batch_stride, self.p.v_scale_head_stride = self.vss[0], self.vss[1]
+            self.p.k_scale_row_stride, self.p.v_scale_row_stride = self.kss[2], self.vss[2]
         self.itemsize = cnp.PyArray_ITEMSIZE(k_cache)
         self.p.hk = cnp.PyArray_DIM(k_cache, 1)
         self.p.d = cnp.PyArray_DIM(k_cache, 3)

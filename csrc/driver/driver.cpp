@@ -196,9 +196,9 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         if (splits == 0) {
             const int64_t want = (int64_t(threads) * kMinItemsPerThread + nbase - 1) / std::max<int64_t>(nbase, 1);
             const int64_t key_bytes = int64_t(bs.it.kv_heads) * (p.d + p.dv) * int64_t(dtype_size(kv_dtype(p)));
-            const int64_t min_keys = bs.it.kv_heads > 1 ? std::clamp<int64_t>(kMinSplitBytes / std::max<int64_t>(key_bytes, 1), 1,
-                                                                              kMinKeysPerSplit)
-                                                        : kMinKeysPerSplit;
+            const int64_t min_keys =
+                bs.it.kv_heads > 1 ? std::clamp<int64_t>(kMinSplitBytes / std::max<int64_t>(key_bytes, 1), 1, kMinKeysPerSplit)
+                                   : kMinKeysPerSplit;
             splits = std::min(want, span / min_keys);
         }
         // Splits never cut one of the route's K/V tiles in two, and each holds at least one tile.

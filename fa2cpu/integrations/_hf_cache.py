@@ -350,8 +350,8 @@ class _KVLayer(CacheLayerMixin):
         if self.k_scale is None:
             return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype)
         # quantized: codes and their scales, (batch|block, head, row)
-        return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype, _core.DTYPE_CODES[k4.dtype.name],
-                                _np("k_scale", self.k_scale).transpose(0, 2, 1), _np("v_scale", self.v_scale).transpose(0, 2, 1))
+        scales = (_np("k_scale", self.k_scale).transpose(0, 2, 1), _np("v_scale", self.v_scale).transpose(0, 2, 1))
+        return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype, _core.DTYPE_CODES[k4.dtype.name], *scales)
 
     def _to_positions(self, row):
         """Store sequences at transformers' positions again (undo dropped left padding)."""
