@@ -64,6 +64,8 @@ def _np(name, t):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise ValueError(f"{name}: expected a CPU tensor, got device {t.device}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if t.requires_grad:
         t = t.detach()
     if t.dtype is torch.bfloat16:

@@ -127,15 +127,20 @@ def _lean_flash_attention(q, k, v, causal, scale, window, softcap, layout, num_t
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         return None
+    try:  # sparse / mkldnn tensors have no strides or data pointer: the general path words that
+        qst, kst, vst = q.stride(), k.stride(), v.stride()
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    except RuntimeError:
+        return None
     if layout == "bshd":
         B, Nq, Hq, D = qs
         _, Nk, Hk, _ = ks
-        (qb, qn, qh, qd), (kb, kn, kh, kd), (vb, vn, vh, vd) = q.stride(), k.stride(), v.stride()
+        (qb, qn, qh, qd), (kb, kn, kh, kd), (vb, vn, vh, vd) = qst, kst, vst
         out_shape = (B, Nq, Hq, vs[3])
     elif layout == "bhsd":
         B, Hq, Nq, D = qs
         _, Hk, Nk, _ = ks
-        (qb, qh, qn, qd), (kb, kh, kn, kd), (vb, vh, vn, vd) = q.stride(), k.stride(), v.stride()
+        (qb, qh, qn, qd), (kb, kh, kn, kd), (vb, vh, vn, vd) = qst, kst, vst
         out_shape = (B, Hq, Nq, vs[3])
     else:
         return None
@@ -144,7 +149,6 @@ def _lean_flash_attention(q, k, v, causal, scale, window, softcap, layout, num_t
             or Hq % Hk or not (0 < D <= _MAX_HEAD_DIM and 0 < Dv <= _MAX_HEAD_DIM):
         return None
     size = q.element_size()
-    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if qp % size or kp % size or vp % size:
         return None
     if not ((scale is None or type(scale) is float) and (softcap is None or type(softcap) is float)):

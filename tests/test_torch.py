@@ -55,6 +55,9 @@ def test_registered_operators():
 
 def test_errors_name_the_argument(rng):
     q = trand(rng, (1, 2, 3, 4))
+    for args, name in (((q.to_sparse(), q, q), "q"), ((q, q, q.to_sparse()), "v")):
+        with pytest.raises(TypeError, match=f"{name}: expected a dense \\(strided\\) tensor, got layout torch.sparse_coo"):
+            ft.flash_attention(*args)
     with pytest.raises(TypeError, match="k: expected a torch.Tensor"):
         ft.flash_attention(q, N(q), q)
     with pytest.raises(TypeError, match="q: dtype float64"):
