@@ -288,8 +288,6 @@ cdef class DecodeStep:
         cdef int64_t b, t, h, pos, row, blk
         cdef int64_t hk = self.p.hk, dv = self.p.dv, item = self.itemsize  # the cache's element size
         cdef int64_t src_item = 4 if self.p.dtype == DTYPE_F32 else 2       # q's, and the new k / v's
-        cdef char* dst
-        cdef const char* src
         if cnp.PyArray_TYPE(seqlens) != cnp.NPY_INT32 or cnp.PyArray_NDIM(seqlens) != 1 \
                 or cnp.PyArray_DIM(seqlens, 0) < batch or not cnp.PyArray_IS_C_CONTIGUOUS(seqlens) \
                 or not cnp.PyArray_ISWRITEABLE(seqlens):
@@ -339,22 +337,12 @@ cdef class DecodeStep:
                     else:
                         blk, row = b, pos
                     for h in range(hk):
-                        src = <const char*>k + (b * kb + h * kh + t * kn) * src_item
-                        if p.kv_dtype < 0:
-                            dst = self.k_base + (blk * self.kcs[0] + h * self.kcs[1] + row * self.kcs[2]) * item
-                            _copy_row(dst, self.kcs[3], src, kd, self.p.d, item)
-                        else:
-                            dst = self.k_base + blk * self.kcs[0] + h * self.kcs[1] + row * self.kcs[2]
-                            self.k_scale_base[blk * self.kss[0] + h * self.kss[1] + row * self.kss[2]] = _quantize_row(
-                                dst, self.kcs[3], src, kd, self.p.d, p.dtype, p.kv_dtype)
-                        src = <const char*>v + (b * vb + h * vh + t * vn) * src_item
-                        if p.kv_dtype < 0:
-                            dst = self.v_base + (blk * self.vcs[0] + h * self.vcs[1] + row * self.vcs[2]) * item
-                            _copy_row(dst, self.vcs[3], src, vd, dv, item)
-                        else:
-                            dst = self.v_base + blk * self.vcs[0] + h * self.vcs[1] + row * self.vcs[2]
-                            self.v_scale_base[blk * self.vss[0] + h * self.vss[1] + row * self.vss[2]] = _quantize_row(
-                                dst, self.vcs[3], src, vd, dv, p.dtype, p.kv_dtype)
+                        _store_row(self.k_base, self.kcs, self.k_scale_base, self.kss, blk, h, row,
+                                   <const char*>k + (b * kb + h * kh + t * kn) * src_item, kd, self.p.d, item,
+                                   p.dtype, p.kv_dtype)
+                        _store_row(self.v_base, self.vcs, self.v_scale_base, self.vss, blk, h, row,
+                                   <const char*>v + (b * vb + h * vh + t * vn) * src_item, vd, dv, item,
+                                   p.dtype, p.kv_dtype)
             for b in range(batch):
                 lens[b] = <int32_t>self.lengths[b]
             rc = c.forward(p)
@@ -445,6 +433,20 @@ cdef inline float _quantize_row(char* dst, int64_t dst_stride, const char* src, 
         else:
             (<uint8_t*>(dst + i * dst_stride))[0] = _e4m3(y)
     return sc
+
+
+cdef inline void _store_row(char* base, const int64_t* cs, float* scale_base, const int64_t* ss, int64_t blk,
+                            int64_t h, int64_t row, const char* src, int64_t src_stride, int64_t n, int64_t item,
+                            int dtype, int kv_dtype) noexcept nogil:
+    """One new row (n elements of kernel dtype `dtype` at src) into cache slot (blk, h, row) of a
+    cache with element strides cs (item bytes each): copied, or (kv_dtype >= 0) quantized into
+    1-byte codes with its scale at scale_base[(blk, h, row) by strides ss]."""
+    cdef int64_t at = blk * cs[0] + h * cs[1] + row * cs[2]
+    if kv_dtype < 0:
+        _copy_row(base + at * item, cs[3], src, src_stride, n, item)
+    else:
+        scale_base[blk * ss[0] + h * ss[1] + row * ss[2]] = _quantize_row(base + at, cs[3], src, src_stride, n,
+                                                                          dtype, kv_dtype)
 
 
 cdef inline void _copy_row(char* dst, int64_t dst_stride, const char* src, int64_t src_stride, int64_t n,

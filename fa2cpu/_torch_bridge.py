@@ -50,6 +50,7 @@ if os.environ.get("FA2CPU_PARALLEL", "").strip().lower() != "pool":
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the kernels' dtypes
+_CODES = {t: _core.DTYPE_CODES[str(t).split(".")[1]] for t in _FLOATS + (torch.int8, torch.float8_e4m3fn)}  # -> DType
 _ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)                 # types the direct path may convert
 

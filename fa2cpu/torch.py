@@ -40,7 +40,7 @@ from ._torch_bridge import (_CACHE_VIEWS, _FLOATS, _check_tensors, _direct, _flo
                             _no_grad_out, _np, _tensor, _use_torch_threads, _window_arg)
 from ._torch_ops import _fa_impl, _kvcache_impl, _varlen_impl  # importing it defines torch.ops.fa2cpu
 from ._checks import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _int, _Options, _threads
-from ._torch_bridge import _PLAIN
+from ._torch_bridge import _CODES, _PLAIN
 from . import _core
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache",
@@ -102,9 +102,6 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     return (o, lse) if return_lse else o
 
 
-_LEAN_CODES = {t: _core.DTYPE_CODES[str(t).split(".")[1]] for t in _FLOATS}  # torch dtype -> kernels' code
-
-
 def _lean_flash_attention(q, k, v, causal, scale, window, softcap, layout, num_threads):
     """flash_attention's common case on plain tensors, straight into the kernels -> a new out
     tensor, or None (nothing done) for anything else, which the general path then handles and,
@@ -116,7 +113,7 @@ def _lean_flash_attention(q, k, v, causal, scale, window, softcap, layout, num_t
     if type(q) not in _PLAIN or type(k) not in _PLAIN or type(v) not in _PLAIN:
         return None
     dtype = q.dtype
-    code = _LEAN_CODES.get(dtype)
+    code = _CODES.get(dtype) if dtype in _FLOATS else None
     if code is None or k.dtype is not dtype or v.dtype is not dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):
         return None
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -12,7 +12,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 # The kernels as torch custom ops. Called as ``_ft.<name>`` at call time, so a spy on
 # ``fa2cpu.torch.flash_attention`` (tests) sees every call.
 from fa2cpu import torch as _ft
-from fa2cpu._torch_bridge import _FLOATS, _np, _tensor
+from fa2cpu._torch_bridge import _CODES, _FLOATS, _np, _tensor
 from fa2cpu.attention import _quantize
 
 from ._hf_masks import _SPEC_ATTR, MaskSpec
@@ -346,12 +346,12 @@ class _KVLayer(CacheLayerMixin):
         k4 = _np("k_cache", self.k_cache).transpose(0, 2, 1, 3)  # the core's (batch|block, head, row, feature)
         v4 = _np("v_cache", self.v_cache).transpose(0, 2, 1, 3)
         self._dv = self.v_cache.shape[-1]
-        dtype = _core.DTYPE_CODES[str(self._owner.dtype).split(".")[1]]
+        dtype = _CODES[self._owner.dtype]
         if self.k_scale is None:
             return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype)
         # quantized: codes and their scales, (batch|block, head, row)
         scales = (_np("k_scale", self.k_scale).transpose(0, 2, 1), _np("v_scale", self.v_scale).transpose(0, 2, 1))
-        return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype, _core.DTYPE_CODES[k4.dtype.name], *scales)
+        return _core.DecodeStep(k4, v4, table, self._owner.block_size, dtype, _CODES[self.k_cache.dtype], *scales)
 
     def _to_positions(self, row):
         """Store sequences at transformers' positions again (undo dropped left padding)."""
