@@ -206,6 +206,77 @@ def test_nan_code_propagates(isa, rng):
         assert np.isnan(out[..., 3]).all()
 
 
+# ---------------------------------------------- int8 cache, 16-bit queries: the int16 products
+# On AVX512-VNNI families an int8 cache read by bf16 / fp16 queries takes int16 dot products
+# (gemm_decode.h, I8VnniDecodeGemm): q rounded to int16 per row, P x v_scale per (row, tile). Its
+# error (~2^-15 of a row's largest value) is far inside TOL, so these tests bound it more tightly
+# than TOL would: a weight or q kept at 8 bits, or a lost tile, would show at this bound (the
+# other families run the same checks on their float32 route).
+TIGHT = {"float16": dict(atol=2e-3, rtol=2e-3), "bfloat16": dict(atol=8e-3, rtol=8e-3)}
+
+
+def check_lse_bound(lse, r_lse, q, k, table=None):
+    """|LSE error| <= the error q's rounding to 2^-15 of its row's max |q| can cause: every score
+    moves by at most 2^-15 * max|q_row| * sum_d |k_cd| * D^-1/2 (plus float32 rounding)."""
+    if table is not None:  # paged K: its blocks in sequence order
+        k = np.stack([np.concatenate(list(k[table[b]]), axis=0) for b in range(table.shape[0])])
+    qmax = np.abs(q.astype(np.float64)).max(axis=-1)                  # (B, Nq, Hq)
+    kl1 = np.abs(k).sum(axis=-1).max(axis=1)                          # (B, Hk)
+    group = q.shape[2] // k.shape[2]
+    bound = 2.0 ** -15 * qmax * np.repeat(kl1, group, axis=1)[:, None, :] / np.sqrt(q.shape[-1])
+    bound = np.moveaxis(bound, 1, 2)                                  # (B, Hq, Nq) as lse
+    err = np.abs(lse.astype(np.float64) - r_lse)
+    assert (err <= bound + 1e-5 * (1 + np.abs(r_lse))).all(), f"lse error {err.max():.3g} > bound"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "paged16"])
+@pytest.mark.parametrize("Hq,Hk", [(32, 8), (6, 6), (6, 2)], ids=["gqa4", "mha", "gqa3"])
+@pytest.mark.parametrize("D,Dv,cap", [(128, 128, 600), (72, 40, 255), (256, 256, 257), (16, 100, 1)])
+def test_int16_products_precision(isa, rng, dtype, layout, Hq, Hk, D, Dv, cap):
+    B = 2
+    block = 16 if layout == "paged16" else None
+    cap_alloc = -(-cap // 16) * 16 if block else cap
+    kc, vc, ks, vs, table = quant_cache(rng, B, cap_alloc, Hk, D, Dv, "int8", block_size=block)
+    q = rand(rng, (B, 1, Hq, D), dtype, scale=2.0)
+    lens = np.array([cap, max(1, cap // 3)], np.int32)
+    r_out, r_lse = ref.kvcache_ref(q, dequantize(kc, ks), dequantize(vc, vs), cache_seqlens=lens, block_table=table)
+    if layout == "bhsd":
+        kc, vc, ks, vs = (np.ascontiguousarray(np.swapaxes(a, 1, 2)) for a in (kc, vc, ks, vs))
+        out, lse = fa2cpu.flash_attention_with_kvcache(np.swapaxes(q, 1, 2), kc, vc, k_scale=ks, v_scale=vs,
+                                                       cache_seqlens=lens, return_lse=True, layout="bhsd")
+        out = np.swapaxes(out, 1, 2)  # lse is (B, H, Nq) in both layouts
+    else:
+        out, lse = fa2cpu.flash_attention_with_kvcache(q, kc, vc, k_scale=ks, v_scale=vs, cache_seqlens=lens,
+                                                       block_table=table, return_lse=True)
+    np.testing.assert_allclose(out.astype(np.float64), r_out, **TIGHT[dtype])
+    check_lse_bound(lse, r_lse, q, dequantize(kc if layout != "bhsd" else np.swapaxes(kc, 1, 2),
+                                              ks if layout != "bhsd" else np.swapaxes(ks, 1, 2)), table)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_int16_products_extremes(isa, rng, dtype):
+    """The int32 sums' worst case (D = 256, every code -128 or 127, q at its largest code) stays
+    exact; a q row or a score far below the others (tiny weights in a tile) keeps its accuracy;
+    a NaN in one q row makes that row NaN and leaves the others alone."""
+    B, cap, Hq, Hk, D = 1, 300, 4, 1, 256
+    kc = np.full((B, cap, Hk, D), -128, np.int8)
+    kc[:, ::2] = 127
+    vc = rng.integers(-128, 128, (B, cap, Hk, D)).astype(np.int8)
+    ks = np.full((B, cap, Hk), 1e-3, np.float32)
+    vs = (rng.random((B, cap, Hk)) * 1e-2).astype(np.float32)
+    q = rand(rng, (B, 1, Hq, D), dtype)
+    q[0, 0, 0] = np.full(D, 1.5, q.dtype)           # every product at the bound
+    q[0, 0, 1] = (rand(rng, (D,)) * 1e-30).astype(q.dtype)  # tiny scores
+    q[0, 0, 2, 5] = np.nan
+    r_out, r_lse = ref.kvcache_ref(q, dequantize(kc, ks), dequantize(vc, vs))
+    out, lse = fa2cpu.flash_attention_with_kvcache(q, kc, vc, k_scale=ks, v_scale=vs, return_lse=True)
+    assert np.isnan(out[0, 0, 2]).all() and np.isnan(lse[0, 2, 0])
+    keep = [0, 1, 3]
+    np.testing.assert_allclose(out[0, 0, keep].astype(np.float64), r_out[0, 0, keep], **TIGHT[dtype])
+    check_lse_bound(lse[:, keep], r_lse[:, keep], q[:, :, keep], dequantize(kc, ks))
+
+
 # ------------------------------------------------------------------------------ errors
 
 def _setup(rng, code="int8"):

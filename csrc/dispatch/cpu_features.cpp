@@ -51,13 +51,14 @@ static CpuFeatures detect() {
     __cpuid_count(7, 0, a, b, c, d);
     const bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512dq = b & (1u << 17);
     const bool avx512bw = b & (1u << 30), avx512vl = b & (1u << 31);
+    const bool avx512_vnni = c & (1u << 11);
     const bool amx_bf16 = d & (1u << 22), amx_tile = d & (1u << 24);
     __cpuid_count(7, 1, a, b, c, d);
     const bool avx512_bf16 = a & (1u << 5);
 
     f.avx2 = os_ymm && avx2 && fma && f16c;
     f.avx512 = f.avx2 && os_zmm && avx512f && avx512dq && avx512bw && avx512vl;
-    f.avx512bf16 = f.avx512 && avx512_bf16;
+    f.avx512bf16 = f.avx512 && avx512_bf16 && avx512_vnni;  // every AVX512_BF16 CPU has VNNI
     f.amx = f.avx512bf16 && amx_bf16 && amx_tile && os_amx && request_amx_permission();
     return f;
 }

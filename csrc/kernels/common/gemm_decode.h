@@ -92,7 +92,7 @@ struct DecodeGemm {
     static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
     // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used.
-    static constexpr int64_t kPrefetchKeys = 32;
+    static constexpr int64_t kPrefetchKeys = sizeof(T) == 1 ? 64 : 32;
 
     // Per-key factors of a quantized cache for the RG rows of a group: row j's scales at
     // row[j][c*ld] (nullptr: 1), times E::kUnit.
@@ -242,24 +242,27 @@ struct DecodeGemm {
         }
     }
 
-    // The 16 horizontal sums of acc[i][j] as one vector, lane i*RG + j: a transpose-and-add tree
-    // (45 instructions instead of 16 reductions of ~9; in QK with D = 128 those were a third of
-    // the work). Per 128-bit block: unpack ps pairs, then pd pairs, then fold blocks twice.
+    // The 16 horizontal sums of v[i*RG + j] (acc[i][j]) as one vector, lane i*RG + j: a
+    // transpose-and-add tree (45 instructions instead of 16 reductions of ~9; in QK with D = 128
+    // those were a third of the work). Per 128-bit block: unpack ps pairs, then pd pairs, then
+    // fold blocks twice. `add` adds lanes (float32, or int32 sums seen through ps casts).
     static_assert(KB * RG == 16, "one vector of sums");
-    static __m512 sums16(const __m512 (&acc)[KB][RG]) {
-        const __m512* v = &acc[0][0];
+    template <class Add>
+    static __m512 sums16(const __m512* v, Add add) {
         __m512 s1[8], s2[4];
         for (int j = 0; j < 8; ++j)  // block: [a0+a2, b0+b2, a1+a3, b1+b3]
-            s1[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+            s1[j] = add(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
         for (int j = 0; j < 4; ++j) {  // block: the block sums of v[4j .. 4j+3]
             const __m512d c = _mm512_castps_pd(s1[2 * j]), d = _mm512_castps_pd(s1[2 * j + 1]);
-            s2[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+            s2[j] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
         }
-        auto fold = [](__m512 x, __m512 y) {  // blocks [x0+x1, x2+x3, y0+y1, y2+y3]
-            return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+        auto fold = [&](__m512 x, __m512 y) {  // blocks [x0+x1, x2+x3, y0+y1, y2+y3]
+            return add(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
         };
         return fold(fold(s2[0], s2[1]), fold(s2[2], s2[3]));
+    }
+    static __m512 sums16(const __m512 (&acc)[KB][RG]) {
+        return sums16(&acc[0][0], [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
     }
 
     template <int NV, bool kOneHead>
@@ -340,10 +343,319 @@ struct DecodeGemm {
     }
 };
 
+#ifdef __AVX512VNNI__
+// An int8 cache read by 16-bit queries (bfloat16 / float16) on AVX512-VNNI: both decode products
+// as int16 dot products (vpdpwssd: 32 multiply-adds per instruction, twice an FMA's, and one
+// vpmovsxbw per 32 codes instead of two conversions per 16). On the 2-core Xeon the float32 route
+// spent ~110 cycles per (key, kv head) where a bf16 cache streams at ~55 on one core: the codes'
+// arithmetic, not their bytes, set its speed.
+//   QK: each q row is rounded to int16 with one float32 scale per row (a power of two times the
+//       score scale, max |code| in [2^14, 2^15)); s[c][r] = qscale_r * kscale_c * sum_d q16[r][d] * code[c][d], the sum exact
+//       in int32 (|sum| <= 32767 * 128 * kMaxHeadDim < 2^31).
+//   PV: per tile and row, w_c = P[r][c] * vscale_c is rounded to int16 with one scale per (row,
+//       tile) (its max |w| maps to 32767); keys (c, c+1) share a dword (vpdpwssd's pairs) and their
+//       V codes are interleaved bytewise, then sign-extended; int32 sums over a tile (<= BC = 256
+//       keys: |sum| <= 32767 * 128 * 256 < 2^31) join the float32 O times that scale.
+// Rounding: q to 2^-15 of its row's max |q| (bf16 values within 2^7 of it exact), each weight to 2^-16 of its tile's max weight; beside
+// bf16 / fp16 outputs (2^-9 / 2^-11 relative) that is noise, so float32 queries keep the float32
+// route (tests/conftest.py's tolerance table). A non-finite q row or weight makes its row NaN.
+// Layouts: Q int16 [M][d32(D)] (zero padded), then float32 row scales [M]; O float32 [M][dp(Dv)]
+// (DecodeGemm's), then the tile's int32 PV sums [M][d32(Dv)] in pair order: a 32-column group's
+// first vector holds columns 0-7 and 16-23, its second 8-15 and 24-31 (the order vpunpck*bw
+// leaves), put back in order when the tile's sums join O. P's int16 pairs overwrite s in place:
+// pair c/2 of row r at dword [c/2][r].
+struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
+    // acc + pairwise products of a and b (vpdpwssd). Written as asm: gcc's builtin copies the
+    // accumulator to a fresh register and back around every instruction (and spills them).
+    static inline __attribute__((always_inline)) __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+        __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+        return acc;
+    }
+    static int64_t d32(int64_t n) { return round_up(n, 32); }
+    static int64_t q_floats(int64_t D, int64_t M) { return M * d32(D) / 2 + M; }
+    static int64_t o_floats(int64_t Dv, int64_t M) { return M * dp(Dv) + M * d32(Dv); }
+
+    // Row r: the codes row[d] * 2^-e (a power of two: a bf16 row's values within 2^7 of its max
+    // |q|, a float16 row's within 2^4, are then exact), max |code| in [2^14, 2^15); scale
+    // qscale * 2^e (the score scale applied with the row's, not rounded into the codes).
+    static void pack_q_row(float* q, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
+        int16_t* o = reinterpret_cast<int16_t*>(q) + r * d32(D);
+        __m512 amax = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_below(D - d), row + d));
+            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);  // inf or NaN
+            amax = _mm512_max_ps(amax, a);
+        }
+        const bool finite = bad == 0;
+        const float mx = _mm512_reduce_max_ps(amax);
+        int e = 0;
+        std::frexp(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
+        const __m512 shift = _mm512_set1_ps(float(15 - e));
+        for (int64_t d = 0; d < d32(D); d += 16) {  // x * 2^(15-e), rounded to nearest even, saturated
+            const __m512 x = finite ? _mm512_maskz_loadu_ps(lanes_below(D - d), row + d) : _mm512_setzero_ps();
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_scalef_ps(x, shift))));
+        }
+        q[M * d32(D) / 2 + r] = finite ? float(std::ldexp(double(qscale), e - 15)) : NAN;
+    }
+    static void zero_q_row(float* q, int64_t M, int64_t r, int64_t D) {
+        std::memset(reinterpret_cast<int16_t*>(q) + r * d32(D), 0, size_t(d32(D)) * sizeof(int16_t));
+        q[M * d32(D) / 2 + r] = 0.f;
+    }
+
+    // The scales of key c of a K/V tile for 16 row lanes whose kv heads (relative to the item's
+    // first) are kv_head[0..15], non-decreasing and adjacent: one load and a permute where the
+    // heads' scales are adjacent too (head stride 1: the (B, N, H) scale layout), else two
+    // gathers; 1 without scales.
+    struct LaneScales {
+        const float* base = nullptr;
+        int64_t ld = 0;
+        bool adjacent = false;
+        __m512i idx, idx_lo, idx_hi;
+        __mmask16 m = 0;
+        LaneScales(const KvTile& t, const int32_t* kv_head) {
+            if (!t.scale) return;
+            base = t.scale + kv_head[0] * t.scale_head_stride;
+            ld = t.scale_ld;
+            alignas(64) int32_t rel[16];
+            alignas(64) int64_t at[16];
+            for (int l = 0; l < 16; ++l) {
+                rel[l] = kv_head[l] - kv_head[0];
+                at[l] = int64_t(rel[l]) * t.scale_head_stride;
+            }
+            adjacent = t.scale_head_stride == 1;
+            idx = _mm512_load_si512(rel);
+            idx_lo = _mm512_load_si512(at);
+            idx_hi = _mm512_load_si512(at + 8);
+            m = lanes_below(rel[15] + 1);
+        }
+        __m512 at(int64_t c) const {
+            if (!base) return _mm512_set1_ps(1.f);
+            const float* p = base + c * ld;
+            if (adjacent) return _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(m, p));
+            return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_i64gather_ps(idx_lo, p, 4)),
+                                      _mm512_i64gather_ps(idx_hi, p, 4), 1);
+        }
+    };
+
+    // 32 codes from p; kMasked: only n of them (lanes past n zero, nothing read there).
+    template <bool kMasked>
+    static __m256i bytes32(const int8_t* p, int64_t n) {
+        if (!kMasked) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        return _mm256_maskz_loadu_epi8(n <= 0 ? __mmask32(0) : n >= 32 ? ~__mmask32(0) : __mmask32((1ull << n) - 1), p);
+    }
+
+    // s[c*RB + r] = q_r . k_c for the block's rows: int32 dot products (groups of RG rows, key
+    // blocks outer as in DecodeGemm::qk), then one pass over the block scaling each by its row's
+    // and key's scales.
+    static void qk(const ItemOperands& x, const RowBlock& block, const KvTile& kt, int64_t nc, float* s) {
+        const int8_t* k = static_cast<const int8_t*>(kt.data);
+        const int64_t D = x.d, Dq = d32(D), ldk = kt.ld, rows = block.rows;
+        const int16_t* q = reinterpret_cast<const int16_t*>(x.q) + block.r0 * Dq;
+        const int32_t* kv_head = block.kv_head;
+        for (int64_t cb = 0; cb < nc; cb += KBLK) {
+            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
+            for (int r = 0; r < rows; r += RG) {
+                int64_t off[RG];
+                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * kt.head_stride;
+                const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
+                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
+                else qk_group<false>(q + r * Dq, Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
+            }
+        }
+        const float* qs = x.q + x.M * Dq / 2 + block.r0;
+        for (int v = 0; v < block.vectors; ++v) {
+            const LaneScales ks(kt, kv_head + v * W);
+            const __m512 rs = _mm512_loadu_ps(qs + v * W);
+            for (int64_t c = 0; c < nc; ++c) {
+                float* sp = s + c * RB + v * W;
+                _mm512_storeu_ps(sp, _mm512_mul_ps(_mm512_loadu_ps(sp), _mm512_mul_ps(rs, ks.at(c))));
+            }
+        }
+    }
+    template <bool kOneHead, bool kMasked>
+    static inline __attribute__((always_inline)) void qk_chunk(__m512i (&acc)[KB][RG], const int16_t* qr, int64_t Dq, int64_t d,
+                                                               int64_t D, const int8_t* const (&kr)[KB], const int64_t* off,
+                                                               int64_t pf, bool prefetch) {
+        __m512i qv[RG];
+#pragma GCC unroll 4
+        for (int j = 0; j < RG; ++j) qv[j] = _mm512_loadu_si512(qr + j * Dq + d);
+#pragma GCC unroll 4
+        for (int i = 0; i < KB; ++i) {
+            if constexpr (kOneHead) {
+                if (prefetch && d % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[0] + d), _MM_HINT_T0);
+                const __m512i kv = _mm512_cvtepi8_epi16(bytes32<kMasked>(kr[i] + off[0] + d, D - d));
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) acc[i][j] = dpwssd(acc[i][j], kv, qv[j]);
+            } else {
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) {
+                    if (d % 64 == 0 && (j == 0 || off[j] != off[j - 1]))
+                        _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[j] + d), _MM_HINT_T0);
+                    const __m512i kv = _mm512_cvtepi8_epi16(bytes32<kMasked>(kr[i] + off[j] + d, D - d));
+                    acc[i][j] = dpwssd(acc[i][j], kv, qv[j]);
+                }
+            }
+        }
+    }
+    template <bool kOneHead>
+    static void qk_group(const int16_t* qr, int64_t Dq, int64_t D, const int8_t* k, int64_t ldk, const int64_t* off,
+                         int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
+        for (int64_t c = cb; c < ce; c += KB) {
+            const int64_t nkb = ce - c < KB ? ce - c : KB;
+            const int8_t* kr[KB];
+            for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
+            __m512i acc[KB][RG];
+#pragma GCC unroll 4
+            for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_setzero_si512();
+            // 32 features at a time: whole chunks with plain loads, the tail (D % 32) masked
+            int64_t d = 0;
+            for (; d + 32 <= D; d += 32) qk_chunk<kOneHead, false>(acc, qr, Dq, d, D, kr, off, pf, prefetch);
+            if (d < D) qk_chunk<kOneHead, true>(acc, qr, Dq, d, D, kr, off, pf, prefetch);
+            __m512 v[KB * RG];
+            for (int i = 0; i < KB; ++i)
+                for (int j = 0; j < RG; ++j) v[i * RG + j] = _mm512_castsi512_ps(acc[i][j]);
+            const __m512 total = _mm512_cvtepi32_ps(_mm512_castps_si512(sums16(v, [](__m512 a, __m512 b) {
+                return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+            })));
+            alignas(64) float sum[KB * RG];
+            _mm512_store_ps(sum, total);
+            for (int i = 0; i < nkb; ++i) std::memcpy(s + (c + i) * RB, sum + i * RG, RG * sizeof(float));
+        }
+    }
+
+    // P of one row vector (s + v*W, nc keys) -> int16 pairs in place; wscale[l] = lane l's scale.
+    static void quantize_p(float* s, int64_t nc, const KvTile& vt, const int32_t* kv_head, float* wscale) {
+        const LaneScales vs(vt, kv_head);
+        __m512 wmax = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int64_t c = 0; c < nc; ++c) {
+            const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(s + c * RB), vs.at(c));
+            _mm512_storeu_ps(s + c * RB, w);
+            const __m512 a = _mm512_abs_ps(w);
+            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);  // inf or NaN
+            wmax = _mm512_max_ps(wmax, a);
+        }
+        // inv <= 32767 / wmax keeps |w| * inv <= 32767 (rounded: 32767); 0 for an all-zero row
+        const __m512 inv = _mm512_min_ps(_mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                                             _mm512_set1_ps(32767.f), wmax),
+                                         _mm512_set1_ps(FLT_MAX));
+        _mm512_storeu_ps(wscale, _mm512_mask_mov_ps(_mm512_mul_ps(wmax, _mm512_set1_ps(1.f / 32767.f)), bad, _mm512_set1_ps(NAN)));
+        int32_t* pairs = reinterpret_cast<int32_t*>(s);
+        for (int64_t c = 0; c < nc; c += 2) {  // pair c/2 lands at key slot c/2 <= c: read before written
+            const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(s + c * RB), inv));
+            const __m512i hi = c + 1 < nc ? _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(s + (c + 1) * RB), inv))
+                                          : _mm512_setzero_si512();
+            _mm512_storeu_si512(pairs + (c / 2) * RB,
+                                _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16)));
+        }
+    }
+
+    // The codes of keys c and c+1 (rows p0, p1), columns [j, j + 32*NH), interleaved in pairs
+    // and sign-extended: x[2h], x[2h+1] = columns j+32h + {0-7, 16-23}, {8-15, 24-31}.
+    template <int NH, bool kMasked>
+    static void pair_codes(const int8_t* p0, const int8_t* p1, int64_t n, __m512i* x) {
+#pragma GCC unroll 2
+        for (int h = 0; h < NH; ++h) {
+            const __m256i a = bytes32<kMasked>(p0 + 32 * h, n - 32 * h), b = bytes32<kMasked>(p1 + 32 * h, n - 32 * h);
+            x[2 * h] = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));
+            x[2 * h + 1] = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
+        }
+    }
+    // acc[i][...] += sum over keys [cb, ce) of the pairs' products, columns [j, j + 32*NH).
+    template <int NH, bool kOneHead, bool kMasked>
+    static void pv_block(const int32_t* wp, int64_t cb, int64_t ce, const int8_t* v, int64_t ldv, const int64_t* off,
+                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, bool prefetch) {
+        constexpr int T = 2 * NH;
+        __m512i a[RG][T], x[T];
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; ++t) a[i][t] = _mm512_loadu_si512(acc + i * lda + j + 16 * t);
+        for (int64_t c = cb; c < ce; c += 2) {
+            const int8_t* v0 = v + c * ldv + j;
+            const int8_t* v1 = c + 1 < ce ? v0 + ldv : v0;  // an odd last key pairs with itself (weight 0)
+            const int32_t* w = wp + (c / 2) * RB;
+#pragma GCC unroll 4
+            for (int i = 0; i < RG; ++i) {
+                if (kOneHead ? i == 0 : (i == 0 || off[i] != off[i - 1])) {
+                    if (prefetch || !kOneHead) {
+                        _mm_prefetch(reinterpret_cast<const char*>(v0 + pf + off[i]), _MM_HINT_T0);
+                        _mm_prefetch(reinterpret_cast<const char*>(v1 + pf + off[i]), _MM_HINT_T0);
+                    }
+                    pair_codes<NH, kMasked>(v0 + off[i], v1 + off[i], n - j, x);
+                }
+                const __m512i wi = _mm512_set1_epi32(w[i]);
+#pragma GCC unroll 4
+                for (int t = 0; t < T; ++t) a[i][t] = dpwssd(a[i][t], x[t], wi);
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; ++t) _mm512_storeu_si512(acc + i * lda + j + 16 * t, a[i][t]);
+    }
+
+    // O[r0 + r][:] += sum_c P[r][c] V[c][:]: P rounded to int16 pairs, int32 sums per tile (key
+    // blocks outer as in DecodeGemm::pv), then added to O in column order times their scale.
+    static void pv(const ItemOperands& x, const RowBlock& block, float* s, int64_t nc, const KvTile& vt) {
+        const int8_t* v = static_cast<const int8_t*>(vt.data);
+        const int64_t Dv = x.dv, n = dp(Dv), na = d32(Dv), ldv = vt.ld, rows = round_up(block.rows, RG);
+        const int32_t* kv_head = block.kv_head;
+        alignas(64) float wscale[RB];
+        for (int vv = 0; vv < block.vectors; ++vv) quantize_p(s + vv * W, nc, vt, kv_head + vv * W, wscale + vv * W);
+        int32_t* acc = reinterpret_cast<int32_t*>(x.o + x.M * n) + block.r0 * na;
+        std::memset(acc, 0, size_t(rows * na) * sizeof(int32_t));
+        const int32_t* pairs = reinterpret_cast<const int32_t*>(s);
+        for (int64_t cb = 0; cb < nc; cb += KBLK) {
+            static_assert(KBLK % 2 == 0, "key blocks hold whole pairs");
+            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
+            for (int r = 0; r < rows; r += RG) {
+                int64_t off[RG];
+                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * vt.head_stride;
+                const bool one = off[0] == off[RG - 1], first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
+                int32_t* a = acc + r * na;
+                int64_t j = 0;
+                for (; j + 64 <= Dv; j += 64) {  // whole 64-column blocks: plain loads
+                    if (one) pv_block<2, true, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, first_of_head);
+                    else pv_block<2, false, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, true);
+                }
+                if (j < Dv && na - j > 32) {     // the tail: 33..63 columns
+                    if (one) pv_block<2, true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, first_of_head);
+                    else pv_block<2, false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, true);
+                } else if (j < Dv) {             // 1..32 columns
+                    if (one) pv_block<1, true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, first_of_head);
+                    else pv_block<1, false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, true);
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            float* o = x.o + (block.r0 + r) * n;
+            const int32_t* a = acc + r * na;
+            const __m512 f = _mm512_set1_ps(wscale[r]);
+            for (int64_t j = 0; j < n; j += 32) {
+                const __m512i lo = _mm512_loadu_si512(a + j), hi = _mm512_loadu_si512(a + j + 16);
+                const __m512 first = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0)));
+                _mm512_storeu_ps(o + j, _mm512_fmadd_ps(first, f, _mm512_loadu_ps(o + j)));
+                if (j + 16 < n) {
+                    const __m512 second = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2)));
+                    _mm512_storeu_ps(o + j + 16, _mm512_fmadd_ps(second, f, _mm512_loadu_ps(o + j + 16)));
+                }
+            }
+        }
+    }
+};
+using I8Decode16Loop = TileLoop<V512, I8VnniDecodeGemm>;
+#else
+using I8Decode16Loop = TileLoop<V512, DecodeGemm<I8Elem>>;  // no VNNI: the float32 route
+#endif
+
 // The decode route of the AVX-512 families (routes.h).
 using Avx512DecodeRoute = DecodeRoute<TileLoop<V512, DecodeGemm<F32Elem>>, TileLoop<V512, DecodeGemm<F16Elem>>,
                                       TileLoop<V512, DecodeGemm<Bf16Elem>>, TileLoop<V512, DecodeGemm<I8Elem>>,
-                                      TileLoop<V512, DecodeGemm<F8Elem>>>;
+                                      TileLoop<V512, DecodeGemm<F8Elem>>, I8Decode16Loop>;
 
 }  // namespace
 }  // namespace fa2cpu
