@@ -16,6 +16,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "kernel.h"
 #include "policy.h"
 #include "routes.h"
@@ -359,7 +361,8 @@ struct DecodeGemm {
 // Rounding: q to 2^-15 of its row's max |q| (bf16 values within 2^7 of it exact), each weight to 2^-16 of its tile's max weight; beside
 // bf16 / fp16 outputs (2^-9 / 2^-11 relative) that is noise, so float32 queries keep the float32
 // route (tests/conftest.py's tolerance table). A non-finite q row or weight makes its row NaN.
-// Layouts: Q int16 [M][d32(D)] (zero padded), then float32 row scales [M]; O float32 [M][dp(Dv)]
+// Layouts: Q int16 [M/RG][d32(D)/32][RG][32] (zero padded; a group's rows side by side per 32
+// features: one pointer serves the QK loop), then float32 row scales [M]; O float32 [M][dp(Dv)]
 // (DecodeGemm's), then the tile's int32 PV sums [M][d32(Dv)] in pair order: a 32-column group's
 // first vector holds columns 0-7 and 16-23, its second 8-15 and 24-31 (the order vpunpck*bw
 // leaves), put back in order when the tile's sums join O. P's int16 pairs overwrite s in place:
@@ -373,13 +376,19 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
     }
     static int64_t d32(int64_t n) { return round_up(n, 32); }
     static int64_t q_floats(int64_t D, int64_t M) { return M * d32(D) / 2 + M; }
+    // Row r's first 32 features (its group's block, then r % RG rows in).
+    template <class F>
+    static auto q16(F* q, int64_t D, int64_t r) {
+        using I = std::conditional_t<std::is_const<F>::value, const int16_t, int16_t>;
+        return reinterpret_cast<I*>(q) + (r / RG) * RG * d32(D) + (r % RG) * 32;
+    }
     static int64_t o_floats(int64_t Dv, int64_t M) { return M * dp(Dv) + M * d32(Dv); }
 
     // Row r: the codes row[d] * 2^-e (a power of two: a bf16 row's values within 2^7 of its max
     // |q|, a float16 row's within 2^4, are then exact), max |code| in [2^14, 2^15); scale
     // qscale * 2^e (the score scale applied with the row's, not rounded into the codes).
     static void pack_q_row(float* q, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
-        int16_t* o = reinterpret_cast<int16_t*>(q) + r * d32(D);
+        int16_t* o = q16(q, D, r);
         __m512 amax = _mm512_setzero_ps();
         __mmask16 bad = 0;
         for (int64_t d = 0; d < D; d += 16) {
@@ -394,12 +403,13 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
         const __m512 shift = _mm512_set1_ps(float(15 - e));
         for (int64_t d = 0; d < d32(D); d += 16) {  // x * 2^(15-e), rounded to nearest even, saturated
             const __m512 x = finite ? _mm512_maskz_loadu_ps(lanes_below(D - d), row + d) : _mm512_setzero_ps();
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_scalef_ps(x, shift))));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (d / 32) * RG * 32 + d % 32),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_scalef_ps(x, shift))));
         }
         q[M * d32(D) / 2 + r] = finite ? float(std::ldexp(double(qscale), e - 15)) : NAN;
     }
     static void zero_q_row(float* q, int64_t M, int64_t r, int64_t D) {
-        std::memset(reinterpret_cast<int16_t*>(q) + r * d32(D), 0, size_t(d32(D)) * sizeof(int16_t));
+        for (int64_t d = 0; d < d32(D); d += 32) std::memset(q16(q, D, r) + (d / 32) * RG * 32, 0, 32 * sizeof(int16_t));
         q[M * d32(D) / 2 + r] = 0.f;
     }
 
@@ -451,7 +461,7 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
     static void qk(const ItemOperands& x, const RowBlock& block, const KvTile& kt, int64_t nc, float* s) {
         const int8_t* k = static_cast<const int8_t*>(kt.data);
         const int64_t D = x.d, Dq = d32(D), ldk = kt.ld, rows = block.rows;
-        const int16_t* q = reinterpret_cast<const int16_t*>(x.q) + block.r0 * Dq;
+        const int16_t* q = q16(x.q, D, block.r0);
         const int32_t* kv_head = block.kv_head;
         for (int64_t cb = 0; cb < nc; cb += KBLK) {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
@@ -459,8 +469,8 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
                 int64_t off[RG];
                 for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * kt.head_stride;
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
-                else qk_group<false>(q + r * Dq, Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
+                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
+                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
             }
         }
         const float* qs = x.q + x.M * Dq / 2 + block.r0;
@@ -474,12 +484,12 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
         }
     }
     template <bool kOneHead, bool kMasked>
-    static inline __attribute__((always_inline)) void qk_chunk(__m512i (&acc)[KB][RG], const int16_t* qr, int64_t Dq, int64_t d,
+    static inline __attribute__((always_inline)) void qk_chunk(__m512i (&acc)[KB][RG], const int16_t* qg, int64_t d,
                                                                int64_t D, const int8_t* const (&kr)[KB], const int64_t* off,
                                                                int64_t pf, bool prefetch) {
         __m512i qv[RG];
 #pragma GCC unroll 4
-        for (int j = 0; j < RG; ++j) qv[j] = _mm512_loadu_si512(qr + j * Dq + d);
+        for (int j = 0; j < RG; ++j) qv[j] = _mm512_loadu_si512(qg + d * RG + j * 32);
 #pragma GCC unroll 4
         for (int i = 0; i < KB; ++i) {
             if constexpr (kOneHead) {
@@ -499,7 +509,7 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
         }
     }
     template <bool kOneHead>
-    static void qk_group(const int16_t* qr, int64_t Dq, int64_t D, const int8_t* k, int64_t ldk, const int64_t* off,
+    static void qk_group(const int16_t* qg, int64_t D, const int8_t* k, int64_t ldk, const int64_t* off,
                          int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
@@ -512,8 +522,8 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
                 for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_setzero_si512();
             // 32 features at a time: whole chunks with plain loads, the tail (D % 32) masked
             int64_t d = 0;
-            for (; d + 32 <= D; d += 32) qk_chunk<kOneHead, false>(acc, qr, Dq, d, D, kr, off, pf, prefetch);
-            if (d < D) qk_chunk<kOneHead, true>(acc, qr, Dq, d, D, kr, off, pf, prefetch);
+            for (; d + 32 <= D; d += 32) qk_chunk<kOneHead, false>(acc, qg, d, D, kr, off, pf, prefetch);
+            if (d < D) qk_chunk<kOneHead, true>(acc, qg, d, D, kr, off, pf, prefetch);
             __m512 v[KB * RG];
             for (int i = 0; i < KB; ++i)
                 for (int j = 0; j < RG; ++j) v[i * RG + j] = _mm512_castsi512_ps(acc[i][j]);
