@@ -352,15 +352,16 @@ struct DecodeGemm {
 // spent ~110 cycles per (key, kv head) where a bf16 cache streams at ~55 on one core: the codes'
 // arithmetic, not their bytes, set its speed.
 //   QK: each q row is rounded to int16 with one float32 scale per row (a power of two times the
-//       score scale, max |code| in [2^14, 2^15)); s[c][r] = qscale_r * kscale_c * sum_d q16[r][d] * code[c][d], the sum exact
-//       in int32 (|sum| <= 32767 * 128 * kMaxHeadDim < 2^31).
+//       score scale, max |code| in [2^14, 2^15)); s[c][r] = qscale_r * kscale_c *
+//       sum_d q16[r][d] * code[c][d], the sum exact in int32 (|sum| <= 32767 * 128 * kMaxHeadDim
+//       < 2^31).
 //   PV: per tile and row, w_c = P[r][c] * vscale_c is rounded to int16 with one scale per (row,
 //       tile) (its max |w| maps to 32767); keys (c, c+1) share a dword (vpdpwssd's pairs) and their
 //       V codes are interleaved bytewise, then sign-extended; int32 sums over a tile (<= BC = 256
 //       keys: |sum| <= 32767 * 128 * 256 < 2^31) join the float32 O times that scale.
-// Rounding: q to 2^-15 of its row's max |q| (bf16 values within 2^7 of it exact), each weight to 2^-16 of its tile's max weight; beside
-// bf16 / fp16 outputs (2^-9 / 2^-11 relative) that is noise, so float32 queries keep the float32
-// route (tests/conftest.py's tolerance table). A non-finite q row or weight makes its row NaN.
+// Rounding: q to 2^-15 of its row's max |q| (bf16 values within 2^7 of it exact), each weight to
+// 2^-16 of its tile's max weight; beside bf16 / fp16 outputs (2^-9 / 2^-11 relative) that is
+// noise, so float32 queries keep the float32 route (tests/conftest.py's tolerance table). A non-finite q row or weight makes its row NaN.
 // Layouts: Q int16 [M/RG][d32(D)/32][RG][32] (zero padded; a group's rows side by side per 32
 // features: one pointer serves the QK loop), then float32 row scales [M]; O float32 [M][dp(Dv)]
 // (DecodeGemm's), then the tile's int32 PV sums [M][d32(Dv)] in pair order: a 32-column group's
