@@ -106,11 +106,24 @@ struct DecodeGemm {
 
     // Rows [r, r + RG) of a row block: each row's kv-head offset into tile t, and their scales.
     static Scales group(const int32_t* kv_head, int r, const KvTile& t, int64_t* off, const float** sc) {
-        for (int j = 0; j < RG; ++j) {
-            off[j] = kv_head[r + j] * t.head_stride;
-            sc[j] = t.scale ? t.scale + kv_head[r + j] * t.scale_head_stride : nullptr;
-        }
+        head_offsets(kv_head, r, t, off);
+        for (int j = 0; j < RG; ++j) sc[j] = t.scale ? t.scale + kv_head[r + j] * t.scale_head_stride : nullptr;
         return Scales{sc, t.scale_ld};
+    }
+    static void head_offsets(const int32_t* kv_head, int r, const KvTile& t, int64_t* off) {
+        for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * t.head_stride;
+    }
+    // Rows of keys [c, c + KB) of a tile; past the nkb real ones, the last real row again (its
+    // sums are never stored).
+    template <class C>
+    static void key_rows(const C* k, int64_t c, int64_t nkb, int64_t ldk, const C* (&kr)[KB]) {
+        for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
+    }
+    // Scores of keys [c, c + nkb): lane i*RG + j of total to s[(c + i)*RB + j].
+    static void store_scores(__m512 total, int64_t c, int64_t nkb, float* s) {
+        alignas(64) float sum[KB * RG];
+        _mm512_store_ps(sum, total);
+        for (int i = 0; i < nkb; ++i) std::memcpy(s + (c + i) * RB, sum + i * RG, RG * sizeof(float));
     }
 
     static int64_t dp(int64_t n) { return round_up(n, 16); }
@@ -203,7 +216,7 @@ struct DecodeGemm {
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const T* kr[KB];
-            for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
+            key_rows(k, c, nkb, ldk, kr);
             __m512 acc[KB][RG];
 #pragma GCC unroll 4
             for (int i = 0; i < KB; ++i)
@@ -231,7 +244,6 @@ struct DecodeGemm {
                     }
                 }
             }
-            alignas(64) float sum[KB * RG];
             __m512 total = sums16(acc);
             if constexpr (E::kCodes) {
                 alignas(64) float f[KB * RG];
@@ -239,8 +251,7 @@ struct DecodeGemm {
                     for (int j = 0; j < RG; ++j) f[i * RG + j] = i < nkb ? ks.factor(j, c + i) : 0.f;
                 total = _mm512_mul_ps(total, _mm512_load_ps(f));
             }
-            _mm512_store_ps(sum, total);
-            for (int i = 0; i < nkb; ++i) std::memcpy(s + (c + i) * RB, sum + i * RG, RG * sizeof(float));
+            store_scores(total, c, nkb, s);
         }
     }
 
@@ -470,7 +481,7 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
-                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * kt.head_stride;
+                head_offsets(kv_head, r, kt, off);
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
                 if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
                 else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
@@ -517,7 +528,7 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const int8_t* kr[KB];
-            for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
+            key_rows(k, c, nkb, ldk, kr);
             __m512i acc[KB][RG];
 #pragma GCC unroll 4
             for (int i = 0; i < KB; ++i)
@@ -533,9 +544,7 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
             const __m512 total = _mm512_cvtepi32_ps(_mm512_castps_si512(sums16(v, [](__m512 a, __m512 b) {
                 return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
             })));
-            alignas(64) float sum[KB * RG];
-            _mm512_store_ps(sum, total);
-            for (int i = 0; i < nkb; ++i) std::memcpy(s + (c + i) * RB, sum + i * RG, RG * sizeof(float));
+            store_scores(total, c, nkb, s);
         }
     }
 
@@ -627,7 +636,7 @@ struct I8VnniDecodeGemm : DecodeGemm<I8Elem> {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
             for (int r = 0; r < rows; r += RG) {
                 int64_t off[RG];
-                for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * vt.head_stride;
+                head_offsets(kv_head, r, vt, off);
                 const bool one = off[0] == off[RG - 1], first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
                 int32_t* a = acc + r * na;
                 int64_t j = 0;
