@@ -195,13 +195,18 @@ void parallel_for(int64_t n, int threads, ItemFn body, void* ctx) {
     if (n <= 0) return;
     const int helpers = int(std::min<int64_t>({int64_t(threads) - 1, n - 1, int64_t(kMaxHelpers)}));
     if (helpers > 0 && g_openmp.load(std::memory_order_relaxed)) {
-        Job job{body, ctx, n, helpers};
+        // The whole team (`threads`), not one thread per item: a region of another size than the
+        // one before makes libgomp re-dock its pool, and a decode call alternating 16 (items) and
+        // 4 (merges) threads, between torch's 16-thread ops, took 600 us instead of 65-95 on the
+        // AMX machine (bench/RESULTS.md, issue 9). Threads that find no item leave at once.
+        const int team = int(std::min<int64_t>(int64_t(threads) - 1, int64_t(kMaxHelpers))) + 1;
+        Job job{body, ctx, n, team - 1};
         if (const GompParallelFn gp = g_gomp_parallel.load()) {
-            gp(&run_job_region, &job, unsigned(helpers + 1), 0);  // that runtime serialises nesting itself
+            gp(&run_job_region, &job, unsigned(team), 0);  // that runtime serialises nesting itself
             return;
         }
         if (!omp_in_parallel()) {
-#pragma omp parallel num_threads(helpers + 1)
+#pragma omp parallel num_threads(team)
             run_items(job);
             return;
         }
