@@ -67,7 +67,6 @@ struct AmxGemm : TransposedO<V512> {
     static int64_t q_floats(int64_t D, int64_t M) { return d2p(D) * M; }
     static int64_t k_floats(int64_t D) { return BC * round_up(D, 32) / 2; }
     static int64_t v_floats(int64_t Dv) { return o_rows(Dv) * BC / 2; }
-    static int64_t p_floats() { return BC / 2 * RB; }
 
     // Row r of Q as bf16 pairs down column r of [d2p][M]: 32 elements (16 pairs) per step with
     // vcvtne2ps2bf16 (round to nearest even, like f32_to_bf16; its output is already pair-ordered)

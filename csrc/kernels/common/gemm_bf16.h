@@ -5,7 +5,7 @@
 //   Q   qbuf  [D2][M]   pair (Q[r][2t], Q[r][2t+1]) of row r            (D2 = ceil(D/2), not scaled)
 //   K   kt    [nc][ldk] bf16 rows; the pair at column 2t is broadcast as one uint32
 //                       (read in place for contiguous unpaged bf16 with even D, else packed)
-//   P   pbuf  [C2][RB]  pair (P[r][2c], P[r][2c+1]) of row r             (C2 = ceil(nc/2))
+//   P   pbuf  [C2][RB]  pair (P[r][2c], P[r][2c+1]) of row r (C2 = ceil(nc/2); over the score block)
 //   V   vbuf  [C2][Dv]  pair (V[2c][j], V[2c+1][j]), always packed (two rows interleaved)
 //
 // Odd D / odd nc are padded with zero halves. Products are exact in float32 and accumulate in
@@ -37,7 +37,6 @@ struct Bf16Gemm : TransposedO<V> {
     static int64_t q_floats(int64_t D, int64_t M) { return (D + 1) / 2 * M; }
     static int64_t k_floats(int64_t D) { return BC * ((D + 1) / 2); }
     static int64_t v_floats(int64_t Dv) { return (BC + 1) / 2 * Dv; }
-    static int64_t p_floats() { return (BC + 1) / 2 * RB; }
 
     static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {

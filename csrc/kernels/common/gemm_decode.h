@@ -130,7 +130,6 @@ struct DecodeGemm {
     static int64_t q_floats(int64_t D, int64_t M) { return M * dp(D); }
     static int64_t k_floats(int64_t D) { return (BC * dp(D) * int64_t(sizeof(T)) + 3) / 4; }
     static int64_t v_floats(int64_t Dv) { return (BC * dp(Dv) * int64_t(sizeof(T)) + 3) / 4; }
-    static int64_t p_floats() { return 0; }
 
     static void pack_q_row(float* q, int64_t, int64_t r, const float* row, int64_t D, float qscale) {
         float* o = q + r * dp(D);

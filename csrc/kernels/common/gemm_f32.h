@@ -33,7 +33,6 @@ struct F32Gemm : TransposedO<V> {
     static int64_t q_floats(int64_t D, int64_t M) { return D * M; }
     static int64_t k_floats(int64_t D) { return BC * D; }
     static int64_t v_floats(int64_t Dv) { return BC * Dv; }
-    static int64_t p_floats() { return 0; }
 
     // qbuf [D][M]: row r of Q transposed, times qscale.
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {

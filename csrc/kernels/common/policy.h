@@ -6,7 +6,7 @@
 //   traits   W lanes, RV row vectors per row block, RB = RV*W rows per row block, BC keys per K/V
 //            tile, kMaxRows rows per item, kRowAlign (item rows are padded to it), kScaleAt,
 //            kPStore, kTilesEndAtBlocks (paged K/V read in place: a tile never crosses a block)
-//   scratch  q_floats(D, M), o_floats(Dv, M), k_floats(D), v_floats(Dv), p_floats()
+//   scratch  q_floats(D, M), o_floats(Dv, M), k_floats(D), v_floats(Dv)
 //   Q        pack_q_row(q, M, r, row, D, scale), zero_q_row(q, M, r, D)
 //   K, V     k_tile / v_tile(p, b, c0, nc, head_offset, buf) -> KvTile (in place or packed in buf);
 //            packs_k / packs_v(p): whether whole tiles are packed (then they can be shared)
@@ -27,14 +27,15 @@ enum class ScaleAt {
 // Where the softmax leaves P for the PV product.
 enum class PStore {
     f32_in_scores,  // float32 P overwrites S
-    bf16_pairs,     // bf16 pairs along the key axis in ItemOperands::p_pairs (policy's store_p_pair)
+    bf16_pairs,     // bf16 pairs along the key axis, [ceil(nc/2)][RB] uint32, written by the
+                    // policy's store_p_pair over the score block itself (tile_loop.h softmax_update)
 };
 
 // One item's operands as the micro-kernels see them.
 struct ItemOperands {
     const float* q;  // the policy's Q layout for M rows
     float* o;        // the policy's O accumulator layout for M rows
-    float* p_pairs;  // PStore::bf16_pairs: P of the current row block
+    float* p_pairs;  // PStore::bf16_pairs: P of the current row block (= the score block)
     int64_t M, d, dv;
     float qk_scale;  // ScaleAt::qk_output: factor for the QK output (else 1)
 };

@@ -47,7 +47,7 @@ struct TileLoop {
 
     struct Layout {
         int64_t M;
-        int64_t q, o, kp, vp, ks, vs, p_pairs, s, m, l;
+        int64_t q, o, kp, vp, ks, vs, s, m, l;
         int64_t first_key, last_key, diagonal, slope, mask_row_offset, mask_values, row_kv_head, total;
     };
     static Layout layout(const Params& p, int64_t rows) {
@@ -62,7 +62,6 @@ struct TileLoop {
         const bool stage = is_code_dtype(kv_dtype(p)) && !ReadsCodes<G>::value;
         L.ks = take(stage ? BC * p.d : 0);
         L.vs = take(stage ? BC * p.dv : 0);
-        L.p_pairs = take(G::p_floats());
         L.s = take(BC * RB);
         L.m = take(L.M);
         L.l = take(L.M);
@@ -110,7 +109,8 @@ struct TileLoop {
         const DType dt = DType(p.dtype);
         const float pack_scale = G::kScaleAt == ScaleAt::packed_q ? qscale : 1.f;
         const float softmax_scale = G::kScaleAt == ScaleAt::softmax ? qscale : 1.f;
-        const ItemOperands ops{q, o, scratch + L.p_pairs, M, D, Dv, G::kScaleAt == ScaleAt::qk_output ? qscale : 1.f};
+        const ItemOperands ops{q, o, G::kPStore == PStore::bf16_pairs ? s : nullptr, M, D, Dv,
+                               G::kScaleAt == ScaleAt::qk_output ? qscale : 1.f};
 
         // Rows: pack Q, set per-row visible ranges and bias parameters.
         int64_t lo_min = nk, hi_max = -1;
@@ -343,8 +343,11 @@ struct TileLoop {
 
     // Online softmax for one row block: new max, p = exp2(scale*s - m), l and O rescaled only for
     // row vectors whose max moved. -inf - -inf is guarded: a row that has seen no visible key keeps
-    // m = -inf, l = 0 and contributes p = 0. P goes back into s (float32), or for
-    // PStore::bf16_pairs straight into G's pair buffer (one pass instead of store + convert).
+    // m = -inf, l = 0 and contributes p = 0. P goes back into s: float32 in place, or for
+    // PStore::bf16_pairs as G's pairs [ceil(nc/2)][RB] over the same block (ops.p_pairs == s).
+    // Pair c/2 of vector v lands on key row c/2 <= c of v's own lanes after keys c and c+1 were
+    // read, so it only overwrites consumed scores; one block instead of two keeps the working set
+    // of the three passes (QK store, softmax, PV) in L1 / L2 (BC x RB x 4 bytes, not 1.5 times that).
     static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
                                float scale) {
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
