@@ -78,6 +78,11 @@ namespace {
 constexpr int64_t kMinItemsPerThread = 2;
 constexpr int64_t kMinKeysPerSplit = 512;
 constexpr int64_t kMinSplitBytes = int64_t(256) << 10;
+// Split boundaries fall on multiples of kSplitKeys keys, or of the route's K/V tile when the call
+// shares tiles (a slot holds one whole natural tile). Not the tile always: the decode route's
+// 256-key tiles let 2048 keys of an interleaved 4-head cache (16 items wanted by the byte rule)
+// make only 8 items, half of 16 threads idle (bench/RESULTS.md, issue 9).
+constexpr int64_t kSplitKeys = 64;
 // Shared K/V tiles (kernel.h SharedTiles) are used when they fit in this many bytes; the buffer
 // is kept for the calling thread's next call up to kKeepSharedBytes.
 constexpr int64_t kSharedTilesBudgetBytes = int64_t(512) << 20;
@@ -188,7 +193,8 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     const int64_t nbase = int64_t(bases.size());
     for (const Base& bs : bases) {
         const int64_t rows = (bs.it.g1 - bs.it.g0) * (bs.it.i1 - bs.it.i0);
-        const int64_t tile = T.routes[bs.it.route].kv_tile;
+        const int64_t unit = plan.shared_route >= 0 ? T.routes[bs.it.route].kv_tile
+                                                    : std::min<int64_t>(T.routes[bs.it.route].kv_tile, kSplitKeys);
         int64_t& route_rows = plan.route_rows[bs.it.route];
         route_rows = std::max(route_rows, rows);
         const int64_t span = bs.ke - bs.kb;
@@ -201,9 +207,9 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
                                    : kMinKeysPerSplit;
             splits = std::min(want, span / min_keys);
         }
-        // Splits never cut one of the route's K/V tiles in two, and each holds at least one tile.
-        const int64_t tiles = (span + tile - 1) / tile;
-        splits = std::max<int64_t>(1, std::min(splits, tiles));
+        // Each split holds at least one unit and starts a whole number of units after the first key.
+        const int64_t units = (span + unit - 1) / unit;
+        splits = std::max<int64_t>(1, std::min(splits, units));
         if (splits == 1) {
             plan.items.push_back(bs.it);
             plan.cost.push_back(bs.cost);
@@ -212,8 +218,8 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         MergeGroup mg{bs.it, plan.part_rows, splits};
         for (int64_t s = 0; s < splits; ++s) {
             WorkItem it = bs.it;
-            it.kb = bs.kb + (tiles * s / splits) * tile;
-            it.ke = std::min(bs.ke, bs.kb + (tiles * (s + 1) / splits) * tile);
+            it.kb = bs.kb + (units * s / splits) * unit;
+            it.ke = std::min(bs.ke, bs.kb + (units * (s + 1) / splits) * unit);
             it.part = plan.part_rows + s * rows;
             plan.items.push_back(it);
             plan.cost.push_back(bs.cost / double(splits));

@@ -81,7 +81,7 @@ struct Route {
     // kv heads one item may span (1 for most routes): all G*nq rows of that many kv heads.
     int64_t (*kv_heads_per_item)(const Params& p, int64_t rows_per_kv_head);
     int64_t max_rows;  // rows of one item (heads x queries); sizes the Q/O scratch
-    int64_t kv_tile;   // keys per K/V tile: split-KV boundaries fall on multiples of it
+    int64_t kv_tile;   // keys per K/V tile (split-KV boundaries fall on multiples of it when tiles are shared)
     int64_t (*scratch_floats)(const Params& p, int64_t rows);  // per-thread scratch, <= rows rows
     // Floats of one shared K (which = 0) / V (1) tile slot; 0 when the route reads it in place.
     int64_t (*shared_tile_floats)(const Params& p, int which);
