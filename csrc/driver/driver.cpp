@@ -138,7 +138,7 @@ int pick_route(const Params& p, const KernelTable& T, int64_t rows_per_kv_head) 
 
 // Work items: per sequence, the route that serves it decides the item shape (rows, kv heads
 // spanned) and the key tile; items are then split along the key axis (flash-decoding) when there
-// are too few for the threads, at the route's tile boundaries.
+// are too few for the threads, every kSplitKeys keys (whole tiles when tiles are shared).
 Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     Plan plan;
     const int64_t G = p.hq / p.hk;

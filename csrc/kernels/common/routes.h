@@ -1,7 +1,7 @@
 // Routes: how a family's file declares which loop computes which items. A family lists its routes
 // (best first) and `make_table` derives the dispatch-table row: the planner picks, per sequence,
-// the first route that serves it, sizes items by the route's own max_rows / kv_tile (so split-KV
-// boundaries always fall on that route's tile boundaries) and runs items with its run_item.
+// the first route that serves it, sizes items by the route's own max_rows (split-KV boundaries
+// fall on its kv_tile boundaries when K/V tiles are shared; driver.cpp) and runs items with its run_item.
 //
 //   Route type         serves                                   items
 //   TileRoute<L, S>    S::serves(p, rows per kv head)           L = TileLoop<V, GEMM policy>
