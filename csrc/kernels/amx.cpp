@@ -187,9 +187,9 @@ struct AmxGemm : TransposedO<V512> {
 
     // O^T += V^T P^T on 2 x 2 tile blocks, from the P pairs the softmax wrote (zero-padded here
     // to whole 32-key blocks).
-    static void pv(const ItemOperands& x, const RowBlock& rows, float*, int64_t nc, const KvTile& vt) {
+    static void pv(const ItemOperands& x, const RowBlock& rows, float* s, int64_t nc, const KvTile& vt) {
         float* oT = x.o + rows.r0;
-        uint32_t* pb = reinterpret_cast<uint32_t*>(x.p_pairs);
+        uint32_t* pb = reinterpret_cast<uint32_t*>(s);  // P pairs over the score block
         const int64_t M = x.M, ldv = vt.ld, Dv = x.dv;
         const int nv = rows.vectors;
         const int64_t ncp = round_up(nc, 32);

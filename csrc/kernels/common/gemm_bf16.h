@@ -190,8 +190,8 @@ struct Bf16Gemm : TransposedO<V> {
     }
 
     // O^T += P V from the pairs the softmax wrote (PStore::bf16_pairs).
-    static void pv(const ItemOperands& x, const RowBlock& rows, float*, int64_t keys, const KvTile& v) {
-        pv_nv(rows.vectors, reinterpret_cast<const uint32_t*>(x.p_pairs), (keys + 1) / 2,
+    static void pv(const ItemOperands& x, const RowBlock& rows, float* s, int64_t keys, const KvTile& v) {
+        pv_nv(rows.vectors, reinterpret_cast<const uint32_t*>(s), (keys + 1) / 2,
               static_cast<const uint32_t*>(v.data), x.dv, x.o + rows.r0, x.M);
     }
 };

@@ -35,7 +35,6 @@ enum class PStore {
 struct ItemOperands {
     const float* q;  // the policy's Q layout for M rows
     float* o;        // the policy's O accumulator layout for M rows
-    float* p_pairs;  // PStore::bf16_pairs: P of the current row block (= the score block)
     int64_t M, d, dv;
     float qk_scale;  // ScaleAt::qk_output: factor for the QK output (else 1)
 };

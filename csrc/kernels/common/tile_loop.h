@@ -109,8 +109,7 @@ struct TileLoop {
         const DType dt = DType(p.dtype);
         const float pack_scale = G::kScaleAt == ScaleAt::packed_q ? qscale : 1.f;
         const float softmax_scale = G::kScaleAt == ScaleAt::softmax ? qscale : 1.f;
-        const ItemOperands ops{q, o, G::kPStore == PStore::bf16_pairs ? s : nullptr, M, D, Dv,
-                               G::kScaleAt == ScaleAt::qk_output ? qscale : 1.f};
+        const ItemOperands ops{q, o, M, D, Dv, G::kScaleAt == ScaleAt::qk_output ? qscale : 1.f};
 
         // Rows: pack Q, set per-row visible ranges and bias parameters.
         int64_t lo_min = nk, hi_max = -1;
@@ -344,10 +343,10 @@ struct TileLoop {
     // Online softmax for one row block: new max, p = exp2(scale*s - m), l and O rescaled only for
     // row vectors whose max moved. -inf - -inf is guarded: a row that has seen no visible key keeps
     // m = -inf, l = 0 and contributes p = 0. P goes back into s: float32 in place, or for
-    // PStore::bf16_pairs as G's pairs [ceil(nc/2)][RB] over the same block (ops.p_pairs == s).
+    // PStore::bf16_pairs as G's pairs [ceil(nc/2)][RB] over the same block, where G::pv reads them.
     // Pair c/2 of vector v lands on key row c/2 <= c of v's own lanes after keys c and c+1 were
-    // read, so it only overwrites consumed scores; one block instead of two keeps the working set
-    // of the three passes (QK store, softmax, PV) in L1 / L2 (BC x RB x 4 bytes, not 1.5 times that).
+    // read, so it only overwrites consumed scores. One block instead of a separate pair buffer
+    // saves BC/2 x RB x 4 bytes of scratch (no speed change measured: bench/RESULTS.md, issue 12).
     static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
                                float scale) {
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
@@ -369,7 +368,7 @@ struct TileLoop {
                     const vec e0 = V::exp2_bf16p(V::fma(V::load(s + c * RB + v * W), sc, neg_m));
                     const vec e1 = c + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (c + 1) * RB + v * W), sc, neg_m)) : V::zero();
                     sum = V::add(sum, V::add(e0, e1));
-                    G::store_p_pair(ops.p_pairs, c / 2, v, e0, e1);
+                    G::store_p_pair(s, c / 2, v, e0, e1);
                 }
             } else {
                 for (int64_t c = 0; c < nc; ++c) {
