@@ -285,6 +285,11 @@ inline void store_scalar(void* base, int64_t idx, float x, DType dt) {
     else if (dt == DType::bf16) static_cast<uint16_t*>(base)[idx] = f32_to_bf16(x);
     else static_cast<uint16_t*>(base)[idx] = f32_to_f16(x);
 }
+// n floats from src to elements idx, idx + stride, ... of base (dtype dt).
+inline void store_row(void* base, int64_t idx, int64_t stride, const float* src, int64_t n, DType dt) {
+    if (dt == DType::f32 && stride == 1) { std::memcpy(static_cast<float*>(base) + idx, src, size_t(n) * 4); return; }
+    for (int64_t j = 0; j < n; ++j) store_scalar(base, idx + j * stride, src[j], dt);
+}
 inline size_t dtype_size(DType dt) {
     constexpr size_t kBytes[] = {
 #define FA2CPU_DTYPE(name, numpy_name, bytes) bytes,
