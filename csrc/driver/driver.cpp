@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -97,6 +98,7 @@ struct MergeGroup {
 struct Plan {
     std::vector<WorkItem> items;
     std::vector<double> cost;
+    std::vector<int64_t> group;  // per item: its merge group, or -1 (an unsplit item)
     std::vector<MergeGroup> merges;
     int64_t part_rows = 0;
     int64_t route_rows[kMaxRoutes] = {};  // most rows of an item per route (sizes the scratch)
@@ -213,6 +215,7 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         if (splits == 1) {
             plan.items.push_back(bs.it);
             plan.cost.push_back(bs.cost);
+            plan.group.push_back(-1);
             continue;
         }
         MergeGroup mg{bs.it, plan.part_rows, splits};
@@ -223,6 +226,7 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
             it.part = plan.part_rows + s * rows;
             plan.items.push_back(it);
             plan.cost.push_back(bs.cost / double(splits));
+            plan.group.push_back(int64_t(plan.merges.size()));
         }
         plan.part_rows += splits * rows;
         plan.merges.push_back(mg);
@@ -232,9 +236,15 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return plan.cost[a] > plan.cost[b]; });
     std::vector<WorkItem> sorted;
+    std::vector<int64_t> group;
     sorted.reserve(order.size());
-    for (size_t i : order) sorted.push_back(plan.items[i]);
+    group.reserve(order.size());
+    for (size_t i : order) {
+        sorted.push_back(plan.items[i]);
+        group.push_back(plan.group[i]);
+    }
     plan.items.swap(sorted);
+    plan.group.swap(group);
     return plan;
 }
 
@@ -293,6 +303,11 @@ struct RunCtx {
     SharedTiles* shared;
     int64_t scratch_floats;
     std::atomic<int> failed{0};
+    // Per merge group: its splits not yet run. The thread that runs a group's last split merges
+    // the group right away, in the items' parallel region: a second region for the merges cost
+    // one more fork / join per call, which at 16 threads is a visible part of a decode step.
+    // (Same merge, same order: the result does not depend on which thread merges.)
+    std::unique_ptr<std::atomic<int64_t>[]> pending;
 };
 
 // The calling thread's shared-tile memory, reused by its next call when small.
@@ -323,11 +338,10 @@ void run_item_on_thread(int64_t i, void* c) {
     }
     const WorkItem& it = x.plan->items[size_t(i)];
     x.T->routes[it.route].run_item(*x.p, it, ItemContext{scratch, x.parts, x.shared});
-}
-
-void merge_on_thread(int64_t g, void* c) {
-    RunCtx& x = *static_cast<RunCtx*>(c);
-    merge_group(*x.p, x.plan->merges[size_t(g)], x.parts);
+    const int64_t g = x.plan->group[size_t(i)];
+    // acq_rel: the merging thread sees every split's partial rows.
+    if (g >= 0 && x.pending[size_t(g)].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_group(*x.p, x.plan->merges[size_t(g)], x.parts);
 }
 
 }  // namespace
@@ -372,11 +386,11 @@ int forward(const Params& p) {
     for (int r = 0; r < T.num_routes; ++r)
         if (plan.route_rows[r] > 0)
             ctx.scratch_floats = std::max(ctx.scratch_floats, T.routes[r].scratch_floats(p, plan.route_rows[r]));
+    ctx.pending.reset(new std::atomic<int64_t>[plan.merges.size()]);
+    for (size_t g = 0; g < plan.merges.size(); ++g) ctx.pending[g].store(plan.merges[g].splits, std::memory_order_relaxed);
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
-    if (ctx.failed.load()) { tls_shared.trim(); return 1; }
-    parallel_for(int64_t(plan.merges.size()), threads, &merge_on_thread, &ctx);
     tls_shared.trim();
-    return 0;
+    return ctx.failed.load() ? 1 : 0;
 }
 
 double peak_gflops(int isa, int dtype, int threads, double seconds) {
