@@ -329,6 +329,24 @@ struct SharedTileMemory {
 };
 thread_local SharedTileMemory tls_shared;
 
+// The calling thread's split-KV partials (output rows, then LSEs), reused by its next call and
+// never cleared: every partial row is written by its split before the merge reads it. (A fresh,
+// zero-filled vector per call was a serial memset on the caller before the items started: 128 KB
+// for a 16-split decode of 16 rows at Dv = 128.) Kept up to kKeepSharedBytes.
+struct PartialsMemory {
+    std::unique_ptr<float[]> data;
+    int64_t floats = 0;
+    float* reserve(int64_t n) {
+        if (n <= 0) return nullptr;
+        if (n > floats || floats * 4 > kKeepSharedBytes) {
+            data.reset(new (std::nothrow) float[size_t(n)]);
+            floats = data ? n : 0;
+        }
+        return data.get();
+    }
+};
+thread_local PartialsMemory tls_partials;
+
 void run_item_on_thread(int64_t i, void* c) {
     RunCtx& x = *static_cast<RunCtx*>(c);
     float* scratch = thread_scratch(x.scratch_floats);
@@ -354,16 +372,13 @@ int forward(const Params& p) {
     const int threads = std::max(1, std::min(p.num_threads, max_useful_threads()));
     Plan plan = make_plan(p, T, threads);
     if (plan.items.empty()) return 0;
-    std::vector<float> part_o, part_lse;
-    if (plan.part_rows > 0) {
-        part_o.resize(size_t(plan.part_rows * p.dv));
-        part_lse.resize(size_t(plan.part_rows));
-    }
+    float* parts = tls_partials.reserve(plan.part_rows * (p.dv + 1));
+    if (plan.part_rows > 0 && !parts) return 1;
     RunCtx ctx;
     ctx.p = &p;
     ctx.T = &T;
     ctx.plan = &plan;
-    ctx.parts = Partials{part_o.data(), part_lse.data()};
+    ctx.parts = Partials{parts, parts ? parts + plan.part_rows * p.dv : nullptr};
     ctx.shared = nullptr;
     SharedTiles shared{};
     if (plan.shared_route >= 0) {
