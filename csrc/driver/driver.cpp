@@ -310,42 +310,36 @@ struct RunCtx {
     std::unique_ptr<std::atomic<int64_t>[]> pending;
 };
 
-// The calling thread's shared-tile memory, reused by its next call when small.
-struct SharedTileMemory {
+// Floats of the calling thread reused by its next call, freed after a call that needed more
+// than kKeepSharedBytes (trim). reserve(n) -> at least n floats, 64-byte aligned (null: none).
+struct ThreadFloats {
     float* data = nullptr;
     int64_t floats = 0;
-    std::vector<SharedSlot> slots[2];
-    ~SharedTileMemory() { std::free(data); }
-    bool reserve(int64_t n) {
-        if (n <= floats) return true;
+    ~ThreadFloats() { std::free(data); }
+    float* reserve(int64_t n) {
+        if (n <= floats) return data;
         std::free(data);
         data = static_cast<float*>(std::aligned_alloc(64, size_t(round_up(n, 16)) * 4));
         floats = data ? n : 0;
-        return data != nullptr;
+        return data;
     }
     void trim() {
         if (floats * 4 > kKeepSharedBytes) { std::free(data); data = nullptr; floats = 0; }
     }
 };
+
+// The calling thread's shared K/V tiles and their slots.
+struct SharedTileMemory {
+    ThreadFloats mem;
+    std::vector<SharedSlot> slots[2];
+};
 thread_local SharedTileMemory tls_shared;
 
-// The calling thread's split-KV partials (output rows, then LSEs), reused by its next call and
-// never cleared: every partial row is written by its split before the merge reads it. (A fresh,
-// zero-filled vector per call was a serial memset on the caller before the items started: 128 KB
-// for a 16-split decode of 16 rows at Dv = 128.) Kept up to kKeepSharedBytes.
-struct PartialsMemory {
-    std::unique_ptr<float[]> data;
-    int64_t floats = 0;
-    float* reserve(int64_t n) {
-        if (n <= 0) return nullptr;
-        if (n > floats || floats * 4 > kKeepSharedBytes) {
-            data.reset(new (std::nothrow) float[size_t(n)]);
-            floats = data ? n : 0;
-        }
-        return data.get();
-    }
-};
-thread_local PartialsMemory tls_partials;
+// The calling thread's split-KV partials (output rows, then LSEs), never cleared: every partial
+// row is written by its split before the merge reads it. (A fresh, zero-filled vector per call
+// was a serial memset on the caller before the items started: 128 KB for a 16-split decode of 16
+// rows at Dv = 128.)
+thread_local ThreadFloats tls_partials;
 
 void run_item_on_thread(int64_t i, void* c) {
     RunCtx& x = *static_cast<RunCtx*>(c);
@@ -372,7 +366,7 @@ int forward(const Params& p) {
     const int threads = std::max(1, std::min(p.num_threads, max_useful_threads()));
     Plan plan = make_plan(p, T, threads);
     if (plan.items.empty()) return 0;
-    float* parts = tls_partials.reserve(plan.part_rows * (p.dv + 1));
+    float* parts = plan.part_rows > 0 ? tls_partials.reserve(plan.part_rows * (p.dv + 1)) : nullptr;
     if (plan.part_rows > 0 && !parts) return 1;
     RunCtx ctx;
     ctx.p = &p;
@@ -383,7 +377,7 @@ int forward(const Params& p) {
     SharedTiles shared{};
     if (plan.shared_route >= 0) {
         const int64_t slots = p.batch * p.hk * plan.tiles_per_seq;
-        if (tls_shared.reserve(slots * (plan.shared_floats[0] + plan.shared_floats[1]))) {
+        if (float* mem = tls_shared.mem.reserve(slots * (plan.shared_floats[0] + plan.shared_floats[1]))) {
             for (int w = 0; w < 2; ++w) {
                 std::vector<SharedSlot> fresh(size_t(plan.shared_floats[w] ? slots : 0));
                 for (SharedSlot& s : fresh) s.state.store(0, std::memory_order_relaxed);
@@ -391,8 +385,8 @@ int forward(const Params& p) {
                 shared.slots[w] = tls_shared.slots[w].data();
                 shared.floats[w] = plan.shared_floats[w];
             }
-            shared.data[0] = tls_shared.data;
-            shared.data[1] = tls_shared.data + slots * plan.shared_floats[0];
+            shared.data[0] = mem;
+            shared.data[1] = mem + slots * plan.shared_floats[0];
             shared.tiles_per_seq = plan.tiles_per_seq;
             ctx.shared = &shared;
         }
@@ -404,7 +398,8 @@ int forward(const Params& p) {
     ctx.pending.reset(new std::atomic<int64_t>[plan.merges.size()]);
     for (size_t g = 0; g < plan.merges.size(); ++g) ctx.pending[g].store(plan.merges[g].splits, std::memory_order_relaxed);
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
-    tls_shared.trim();
+    tls_shared.mem.trim();
+    tls_partials.trim();
     return ctx.failed.load() ? 1 : 0;
 }
 
