@@ -93,7 +93,13 @@ struct DecodeGemm {
     static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
     static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
-    // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used.
+    // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used,
+    // into L2 (prefetcht1), not L1: 32 keys of an item spanning 8 kv heads are 128 KB of float32
+    // rows, which a 32 KB L1 (Zen 4) cannot hold beside the current block. Measured on the 2-core
+    // Zen 4 (B=16 Hq=32 Hk=8 Nk=8192 D=128, bench/kv_quant.py, 1 thread): prefetcht0 ran the
+    // float32 cache in 102-135 ms and bf16 in 45-52, prefetcht1 in 49-62 / 28-36, no prefetch
+    // 68-76 / 59-70; on the AMX Xeon (16 threads) prefetcht1 read as fast as prefetcht0
+    // (bench/RESULTS.md "Prefetch hints and distances at 16 threads").
     static constexpr int64_t kPrefetchKeys = sizeof(T) == 1 ? 64 : 32;
 
     // Per-key factors of a quantized cache for the RG rows of a group: row j's scales at
@@ -229,7 +235,7 @@ struct DecodeGemm {
 #pragma GCC unroll 4
                 for (int i = 0; i < KB; ++i) {
                     if constexpr (kOneHead) {
-                        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[0] + d), _MM_HINT_T0);
+                        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[0] + d), _MM_HINT_T1);
                         const __m512 kv = E::load(kr[i] + off[0] + d, m);
 #pragma GCC unroll 4
                         for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_fmadd_ps(kv, qv[j], acc[i][j]);
@@ -237,7 +243,7 @@ struct DecodeGemm {
 #pragma GCC unroll 4
                         for (int j = 0; j < RG; ++j) {
                             if (j == 0 || off[j] != off[j - 1])
-                                _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[j] + d), _MM_HINT_T0);
+                                _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[j] + d), _MM_HINT_T1);
                             acc[i][j] = _mm512_fmadd_ps(E::load(kr[i] + off[j] + d, m), qv[j], acc[i][j]);
                         }
                     }
@@ -294,7 +300,7 @@ struct DecodeGemm {
                 __m512 vv[NV];
 #pragma GCC unroll 4
                 for (int t = 0; t < NV; ++t) {
-                    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[0] + 16 * t), _MM_HINT_T0);
+                    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[0] + 16 * t), _MM_HINT_T1);
                     vv[t] = E::load(vr + off[0] + 16 * t, m[t]);
                 }
                 const float f = E::kCodes ? vs.factor(0, c) : 1.f;  // one head: one scale per key
@@ -311,7 +317,7 @@ struct DecodeGemm {
 #pragma GCC unroll 4
                     for (int t = 0; t < NV; ++t) {
                         if (i == 0 || off[i] != off[i - 1])
-                            _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[i] + 16 * t), _MM_HINT_T0);
+                            _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[i] + 16 * t), _MM_HINT_T1);
                         acc[i][t] = _mm512_fmadd_ps(pr, E::load(vr + off[i] + 16 * t, m[t]), acc[i][t]);
                     }
                 }
