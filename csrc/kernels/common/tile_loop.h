@@ -45,10 +45,12 @@ struct TileLoop {
     static constexpr int64_t BC = G::BC;
     static_assert(G::W == W && G::kRowAlign % W == 0, "the policy's rows fill the vector lanes");
     // How far (log2 units) a row's tile max may pass its running max before softmax_update moves
-    // the max and rescales O and l: probabilities then stay <= 2^8 (exact in float32 and bf16,
-    // sums far from overflow). Rescaling a row vector's O costs Dv loads, multiplies and stores,
-    // ~6 % of a tile's products at D = 128, and with 16 rows per vector some row's max moved in
-    // almost every tile (FlashAttention-4 skips rescales the same way).
+    // the max and rescales O and l: probabilities then stay <= 2^8 (fine in float32 and bf16; O
+    // and l may grow 2^8 times larger than against the exact max, so |V| beyond ~FLT_MAX / (2^8 x
+    // keys), ~3e32 at 4096 keys, overflows O where FLT_MAX / keys did before). Rescaling a row
+    // vector's O costs Dv loads, multiplies and stores, ~6 % of a tile's products at D = 128 by
+    // instruction count, and with 16 rows per vector some row's max moved in almost every tile
+    // (FlashAttention-4 skips rescales the same way; measured 1-4 % faster: bench/RESULTS.md).
     static constexpr float kRescaleLog2 = 8.f;
 
     struct Layout {
