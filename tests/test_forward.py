@@ -87,6 +87,25 @@ def test_causal_window(isa, rng, dtype, window):
     check_close(out, out2.astype(np.float64), dtype)
 
 
+# Logit steps per 128 keys (natural-log units), one per row, cycling: flat, below and above the
+# online softmax's lazy-rescale threshold (8 in log2 = 5.55 here: tile_loop.h kRescaleLog2), far
+# above it, and falling. Rows of one vector thus keep a stale max while their neighbours move it.
+MAX_STEPS = [0.0, 2.0, 5.4, 5.7, 12.0, 40.0, -4.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_running_max_steps(isa, rng, dtype, causal):
+    Nq, Nk = 40, 1031
+    q, k, v = qkv(rng, 1, 2, 2, Nq, Nk, 64, dtype=dtype)
+    step = np.array(MAX_STEPS, np.float32)[np.arange(Nq) % len(MAX_STEPS)]
+    bias = step[:, None] * (np.arange(Nk, dtype=np.float32) // 128)[None, :]
+    check(q, k, v, dtype, mask=np.ascontiguousarray(np.broadcast_to(bias, (1, 2, Nq, Nk))), causal=causal)
+    # the same rises through ALiBi (slopes per head: 0.04 and 0.05 per key, i.e. 7.4 and 9.2 log2
+    # units per 128 keys towards each row's diagonal), no mask
+    check(q, k, v, dtype, alibi_slopes=np.array([0.04, 0.05], np.float32), causal=causal)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("softcap", [0.5, 2.0, 30.0])
 def test_softcap(isa, rng, dtype, softcap):
