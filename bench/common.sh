@@ -2,6 +2,12 @@
 # each command line echoed, saving its table (NAME.txt) and records (NAME.json) under $OUT.
 set -euo pipefail
 PY=${PYTHON:-python3}  # the interpreter that has fa2cpu (and torch) installed
+# The run_*.sh scripts pass --plot, which needs matplotlib: without it every plotted step failed
+# and the run went on with those tables missing. Stop before measuring anything instead.
+$PY -c "import matplotlib" 2>/dev/null || {
+    echo "bench/run_*.sh: matplotlib is missing (the tables come with plots): pip install 'fa2cpu[bench]'" >&2
+    exit 2
+}
 BENCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 describe_machine() {
