@@ -7,10 +7,14 @@
 // Same "rows in lanes" tile loop as every family (tile_loop.h); the AMX GEMM policy computes
 //   S^T[16 keys][16 rows] += K[16 keys][32 d] (A, bf16 rows)  x  Qpairs[16 pairs][16 rows] (B, VNNI)
 //   O^T[16 dv][16 rows]   += V^T[16 dv][32 keys] (A, bf16)    x  Ppairs[16 pairs][16 rows] (B, VNNI)
-// so Q and P use the bf16 pair layouts of gemm_bf16.h unchanged, K is read as rows, and only V
-// needs a transpose while packing. Every tile is 16 rows x 64 bytes (one configuration); operands
-// are zero-padded to whole tiles: D and Dv to 32, keys to 32, rows to 32 (2 x 2 register blocking
-// of C tiles: tmm0-3 accumulate, tmm4-5 hold A, tmm6-7 hold B).
+// so P uses the bf16 pair layout of gemm_bf16.h, Q its pairs in tile blocks, K is packed as rows
+// in tile blocks, and only V needs a transpose while packing. Every tile is 16 rows x 64 bytes
+// (one configuration); operands are zero-padded to whole tiles: D and Dv to 32, keys to 32, rows
+// to 32 (2 x 2 register blocking of C tiles: tmm0-3 accumulate, tmm4-5 hold A, tmm6-7 hold B).
+// Q, K and V^T are packed "tile-blocked": each A / B tile one contiguous 1 KB block (64-byte row
+// stride). A tile microbenchmark on the AMX test machine (bench/tools/amx_tile_bench.cpp; bench/RESULTS.md,
+// "AMX operands packed in tile blocks")
+// ran 2 x 2 blocks 1.3-1.7x faster from contiguous tiles than from rows 256 / 768 bytes apart.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -62,59 +66,64 @@ struct AmxGemm : TransposedO<V512> {
     static_assert(RB % 32 == 0 && BC % 32 == 0, "whole 2x2 tile blocks");
 
     static int64_t d2p(int64_t D) { return round_up((D + 1) / 2, 16); }  // Q pair rows
+    // Q pairs, tile-blocked: pair t of row r at q[((t/16) * (M/16) + r/16) * 256 + (t%16) * 16 + r%16]
+    // (uint32), so the B tile of pairs [t, t+16) x rows [r, r+16) is one contiguous 1 KB block.
+    static int64_t q_at(int64_t M, int64_t t, int64_t r) { return ((t / 16) * (M / 16) + r / 16) * 256 + (t % 16) * 16 + r % 16; }
     static int64_t o_rows(int64_t Dv) { return round_up(Dv, 32); }
     static int64_t o_floats(int64_t Dv, int64_t M) { return o_rows(Dv) * M; }
     static int64_t q_floats(int64_t D, int64_t M) { return d2p(D) * M; }
     static int64_t k_floats(int64_t D) { return BC * round_up(D, 32) / 2; }
     static int64_t v_floats(int64_t Dv) { return o_rows(Dv) * BC / 2; }
 
-    // Row r of Q as bf16 pairs down column r of [d2p][M]: 32 elements (16 pairs) per step with
-    // vcvtne2ps2bf16 (round to nearest even, like f32_to_bf16; its output is already pair-ordered)
-    // and a 16-lane scatter at stride M; the scalar path for the last D % 32 elements.
+    // Row r of Q as bf16 pairs (q_at): 32 elements (16 pairs) per step with vcvtne2ps2bf16 (round
+    // to nearest even, like f32_to_bf16; its output is already pair-ordered) and a 16-lane scatter
+    // at stride 16 within the pairs' tile block; the scalar path for the last D % 32 elements.
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
-        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(int(M)));
+        const __m512i idx = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
         int64_t t = 0;
         for (; 2 * t + 32 <= D; t += 16) {
             const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 2 * t + 16), _mm512_loadu_ps(row + 2 * t));
-            _mm512_i32scatter_epi32(q + t * M + r, idx, pairs, 4);
+            _mm512_i32scatter_epi32(q + q_at(M, t, r), idx, pairs, 4);
         }
         for (; 2 * t < D; ++t)
-            q[t * M + r] = uint32_t(f32_to_bf16(row[2 * t])) | uint32_t(2 * t + 1 < D ? f32_to_bf16(row[2 * t + 1]) : 0) << 16;
-        for (; t < d2p(D); ++t) q[t * M + r] = 0;
+            q[q_at(M, t, r)] = uint32_t(f32_to_bf16(row[2 * t])) | uint32_t(2 * t + 1 < D ? f32_to_bf16(row[2 * t + 1]) : 0) << 16;
+        for (; t < d2p(D); ++t) q[q_at(M, t, r)] = 0;
     }
     static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
-        for (int64_t t = 0; t < d2p(D); ++t) q[t * M + r] = 0;
+        for (int64_t t = 0; t < d2p(D); ++t) q[q_at(M, t, r)] = 0;
     }
 
-    static bool packs_k(const Params& p) { return !(p.k_dim_stride == 1 && p.d % 32 == 0 && !p.block_table); }
+    static bool packs_k(const Params&) { return true; }
     static bool packs_v(const Params&) { return true; }
 
-    // K rows as A tiles: in place for unpaged contiguous bf16 with D % 32 == 0 and a whole
-    // number of 32-key blocks; else packed [round_up(nc,32)][round_up(D,32)] with zeros.
+    // K rows as A tiles, tile-blocked: key c's elements [32u, 32u+32) at
+    // [((c/16) * (Dp/32) + u) * 512 + (c%16) * 32] (bf16), Dp = round_up(D, 32), zero past nc
+    // keys (to a whole 32-key block) and D columns. The tile's ld is Dp.
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
-        const int64_t D = p.d, Dp = round_up(D, 32);
+        const int64_t D = p.d, Dp = round_up(D, 32), nu = Dp / 32;
         const uint16_t* k = static_cast<const uint16_t*>(p.k);
-        if (p.k_dim_stride == 1 && D % 32 == 0 && nc % 32 == 0 && !p.block_table)
-            return {k + k_row_offset(p, b, c0, p.k_batch_stride, p.k_row_stride) + head, p.k_row_stride, 0, 0};
         uint16_t* out = reinterpret_cast<uint16_t*>(buf);
         for (int64_t c = 0; c < round_up(nc, 32); ++c) {
-            uint16_t* o = out + c * Dp;
-            int64_t d = 0;
-            if (c < nc) {
-                const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_batch_stride, p.k_row_stride) + head;
-                if (p.k_dim_stride == 1) { std::memcpy(o, src, size_t(D) * 2); d = D; }
-                else for (; d < D; ++d) o[d] = src[d * p.k_dim_stride];
+            uint16_t* o = out + (c / 16) * nu * 512 + (c % 16) * 32;
+            const uint16_t* src = c < nc ? k + k_row_offset(p, b, c0 + c, p.k_batch_stride, p.k_row_stride) + head : nullptr;
+            for (int64_t u = 0; u < nu; ++u, o += 512) {
+                const int64_t d0 = 32 * u, n = src ? (D - d0 < 32 ? D - d0 : 32) : 0;
+                if (n == 32 && p.k_dim_stride == 1) {
+                    _mm512_storeu_si512(o, _mm512_loadu_si512(src + d0));
+                    continue;
+                }
+                for (int64_t d = 0; d < 32; ++d) o[d] = d < n ? src[(d0 + d) * p.k_dim_stride] : 0;
             }
-            for (; d < Dp; ++d) o[d] = 0;
         }
         return {out, Dp, 0, 0};
     }
 
-    // V^T [round_up(Dv,32)][BC] bf16, zero past nc keys and Dv columns. Built from 16 x 16
-    // blocks of key pairs: row i of a block is (V[2i][j], V[2i+1][j]) for 16 columns j, as one
+    // V^T [round_up(Dv,32)][BC] bf16 in tile blocks (the A tile of rows [16a, 16a+16) x keys
+    // [32e, 32e+32) at pair offset (a * (BC/32) + e) * 256, rows 16 pairs apart), zero past nc
+    // keys and Dv columns. Built from 16 x 16 blocks of key pairs: row i of a block is
+    // (V[2i][j], V[2i+1][j]) for 16 columns j, as one
     // uint32 each (the bf16 pair layout); transposing the block in registers gives, per column j,
     // 16 consecutive pairs = 32 consecutive keys of V^T row j.
     static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
@@ -150,7 +159,8 @@ struct AmxGemm : TransposedO<V512> {
                     }
                 }
                 transpose16x16_epi32(r);
-                for (int t = 0; t < 16; ++t) _mm512_storeu_si512(out + (j + t) * (BC / 2) + c2, r[t]);
+                uint32_t* blk = out + ((j / 16) * (BC / 32) + c2 / 16) * 256;  // j % 16 == 0, c2 % 16 == 0
+                for (int t = 0; t < 16; ++t) _mm512_storeu_si512(blk + t * 16, r[t]);
             }
         }
         return {out, BC, 0, 0};
@@ -158,18 +168,20 @@ struct AmxGemm : TransposedO<V512> {
 
     // S^T block (keys x rows) of nv 16-row vectors (nv even, M multiple of 32), unscaled.
     static void qk(const ItemOperands& x, const RowBlock& rows, const KvTile& kt, int64_t nc, float* s) {
-        const uint32_t* q = reinterpret_cast<const uint32_t*>(x.q) + rows.r0;
+        const uint32_t* q = reinterpret_cast<const uint32_t*>(x.q);
         const uint16_t* k = static_cast<const uint16_t*>(kt.data);
-        const int64_t D2p = d2p(x.d), ncp = round_up(nc, 32), ldk = kt.ld, M = x.M;
+        const int64_t D2p = d2p(x.d), ncp = round_up(nc, 32), nu = kt.ld / 32, M = x.M, r0 = rows.r0;
         const int nv = rows.vectors;
         for (int64_t c = 0; c < ncp; c += 32) {
+            const uint16_t* k0 = k + (c / 16) * nu * 512;
             for (int r = 0; r < nv * W; r += 32) {
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t t = 0; t < D2p; t += 16) {
-                    _tile_loadd(4, k + c * ldk + 2 * t, ldk * 2);
-                    _tile_loadd(5, k + (c + 16) * ldk + 2 * t, ldk * 2);
-                    _tile_loadd(6, q + t * M + r, M * 4);
-                    _tile_loadd(7, q + t * M + r + 16, M * 4);
+                    const uint32_t* qb = q + q_at(M, t, r0 + r);
+                    _tile_loadd(4, k0 + (t / 16) * 512, 64);
+                    _tile_loadd(5, k0 + (nu + t / 16) * 512, 64);
+                    _tile_loadd(6, qb, 64);
+                    _tile_loadd(7, qb + 256, 64);  // rows r+16..: the next 16-row block of q_at
                     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
                     _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
                 }
@@ -205,8 +217,8 @@ struct AmxGemm : TransposedO<V512> {
                 _tile_loadd(2, o + 16 * M, M * 4);
                 _tile_loadd(3, o + 16 * M + 16, M * 4);
                 for (int64_t c = 0; c < ncp; c += 32) {
-                    _tile_loadd(4, vT + j * ldv + c, ldv * 2);
-                    _tile_loadd(5, vT + (j + 16) * ldv + c, ldv * 2);
+                    _tile_loadd(4, vT + ((j / 16) * (ldv / 32) + c / 32) * 512, 64);
+                    _tile_loadd(5, vT + ((j / 16 + 1) * (ldv / 32) + c / 32) * 512, 64);
                     _tile_loadd(6, pb + (c / 2) * RB + r, RB * 4);
                     _tile_loadd(7, pb + (c / 2) * RB + r + 16, RB * 4);
                     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
