@@ -1,13 +1,16 @@
 """A/B of two fa2cpu builds in ONE process: each build's package directory (an in-place build's
 `fa2cpu/`, or `<pip --target dir>/fa2cpu`) is copied under its own package name and imported, and
-their forward calls alternate, so a noisy machine's drift hits both alike (processes alternated by
+their calls alternate, so a noisy machine's drift hits both alike (processes alternated by
 bench/ab.sh cannot remove drift within a run). Prints the median of each and base / new (> 1: the
 second build is faster) and the largest difference between their outputs.
 
     PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS HEADS N CAUSAL(0|1) DTYPE REPS
+    PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS decode CACHE REPS
 
 e.g. `PYTHONPATH=$PWD python bench/ab_inproc.py /tmp/base/fa2cpu fa2cpu 1 4 2048 0 fp32 9` (B=1,
 D=128; DTYPE and the FLOP count as fa2cpu-bench takes them, from the checkout's fa2cpu.bench).
+The decode form times `flash_attention_with_kvcache` on issue 13's case (B=16 Hq=32 Hk=8
+Nk=8192 D=128, bf16 q) with a CACHE of bf16, fp32 or int8 (uniform codes, scales U(0, 0.02)).
 Works because the extension's init symbol depends only on the module's last name (`_core`) and the
 package imports itself relatively.
 """
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import time
 
+import ml_dtypes
 import numpy as np
 
 from fa2cpu.bench import DTYPES, dtype_name, visible_pairs
@@ -28,29 +32,65 @@ def load(pkg_dir, name, root):
     return importlib.import_module(name)
 
 
-def main():
-    base_dir, new_dir = sys.argv[1], sys.argv[2]
-    threads, heads, n = (int(x) for x in sys.argv[3:6])
-    causal, dtype, reps = sys.argv[6] == "1", dtype_name(sys.argv[7]), int(sys.argv[8])
-    root = tempfile.mkdtemp(prefix="fa2cpu_ab_")
-    sys.path.insert(0, root)
-    mods = {"base": load(base_dir, "fa2cpu_ab_base", root), "new": load(new_dir, "fa2cpu_ab_new", root)}
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, heads, n, 128), dtype=np.float32).astype(DTYPES[dtype]) for _ in range(3))
-    outs, times = {}, {name: [] for name in mods}
-    for name, m in mods.items():  # warm-up, and the outputs compared below
-        outs[name] = m.flash_attention(q, k, v, causal=causal, num_threads=threads).astype(np.float64)
+def decode_case(cache, rng):
+    """Arguments of flash_attention_with_kvcache for issue 13's decode case with a `cache` cache."""
+    B, Hq, Hk, N, D = 16, 32, 8, 8192, 128
+    q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    if cache == "int8":
+        kc, vc = (rng.integers(-127, 128, (B, N, Hk, D), dtype=np.int8) for _ in range(2))
+        ks, vs = (rng.random((B, N, Hk), dtype=np.float32) * np.float32(0.02) for _ in range(2))
+        return (q, kc, vc), dict(k_scale=ks, v_scale=vs)
+    if cache not in ("bf16", "fp32"):
+        raise SystemExit(f"decode CACHE: bf16, fp32 or int8, not {cache!r}")
+    dt = ml_dtypes.bfloat16 if cache == "bf16" else np.float32
+    kc, vc = (rng.standard_normal((B, N, Hk, D), dtype=np.float32).astype(dt) for _ in range(2))
+    return (q, kc, vc), {}
+
+
+def alternate(mods, call, reps):
+    """call(module) for each build, alternated `reps` times after one warm-up each: the warm-up
+    outputs (float64) and each build's median seconds."""
+    outs = {name: call(m).astype(np.float64) for name, m in mods.items()}
+    times = {name: [] for name in mods}
     for _ in range(reps):
         for name, m in mods.items():
             t = time.perf_counter()
-            m.flash_attention(q, k, v, causal=causal, num_threads=threads)
+            call(m)
             times[name].append(time.perf_counter() - t)
+    return outs, {name: statistics.median(t) for name, t in times.items()}
+
+
+def main_decode(mods, threads, cache, reps):
+    args, kw = decode_case(cache, np.random.default_rng(0))
+    outs, med = alternate(mods, lambda m: m.flash_attention_with_kvcache(*args, num_threads=threads, **kw), reps)
+    mb, mn = med["base"], med["new"]
+    print(f"decode {cache} cache T={threads}: base {mb * 1e3:.2f} ms, new {mn * 1e3:.2f} ms, base/new {mb / mn:.3f}; "
+          f"max|diff| {np.abs(outs['base'] - outs['new']).max():.2e}")
+
+
+def main():
+    base_dir, new_dir = sys.argv[1], sys.argv[2]
+    root = tempfile.mkdtemp(prefix="fa2cpu_ab_")
+    sys.path.insert(0, root)
+    mods = {"base": load(base_dir, "fa2cpu_ab_base", root), "new": load(new_dir, "fa2cpu_ab_new", root)}
+    if sys.argv[4] == "decode":
+        main_decode(mods, int(sys.argv[3]), sys.argv[5], int(sys.argv[6]))
+    else:
+        main_prefill(mods, sys.argv[3:])
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main_prefill(mods, argv):
+    threads, heads, n = (int(x) for x in argv[:3])
+    causal, dtype, reps = argv[3] == "1", dtype_name(argv[4]), int(argv[5])
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, heads, n, 128), dtype=np.float32).astype(DTYPES[dtype]) for _ in range(3))
+    outs, med = alternate(mods, lambda m: m.flash_attention(q, k, v, causal=causal, num_threads=threads), reps)
     flops = 4 * heads * visible_pairs(n, n, causal) * 128
-    mb, mn = statistics.median(times["base"]), statistics.median(times["new"])
+    mb, mn = med["base"], med["new"]
     print(f"{dtype} T={threads} H={heads} N={n} causal={causal}: base {mb * 1e3:.1f} ms {flops / mb / 1e9:.1f} GF/s, "
           f"new {mn * 1e3:.1f} ms {flops / mn / 1e9:.1f} GF/s, base/new {mb / mn:.3f}; "
           f"max|diff| {np.abs(outs['base'] - outs['new']).max():.2e}")
-    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
