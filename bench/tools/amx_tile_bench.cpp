@@ -19,13 +19,14 @@ static void cfg() {
 }
 static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-// One 2x2 block: C0..3 (+)= A0/A1 x B0/B1 over `depth` steps, A rows at stride lda bytes, B at ldb.
-// mode bit 1: store the C tiles at the end; bit 2: zero them at the start (else load C from cbuf).
+// `blocks` 2x2 blocks: C0..3 (+)= A0/A1 x B0/B1 over `depth` steps, A rows at stride lda bytes,
+// B at ldb. kZero: zero the C tiles at a block's start (else load them from cbuf); kStore: store
+// them to cbuf at its end. Prints GFLOP/s, flop per TSC cycle and TSC cycles per block.
 template <int kStore, int kZero>
-static double run(const char* name, const uint16_t* abuf, int64_t a_bytes, int64_t lda, const uint16_t* bbuf, int64_t b_bytes,
+static void run(const char* name, const uint16_t* abuf, int64_t a_bytes, int64_t lda, const uint16_t* bbuf, int64_t b_bytes,
                   int64_t ldb, float* cbuf, int64_t c_bytes, int depth, int64_t blocks) {
     const int64_t a_step = 32 * lda, b_step = 16 * ldb;  // bytes between successive steps' tiles
-    int64_t ao = 0, bo = 0, co = 0, arow = 0, acol = 0;
+    int64_t bo = 0, co = 0, arow = 0, acol = 0;
     const double t0 = now();
     const uint64_t c0 = __rdtsc();
     for (int64_t i = 0; i < blocks; ++i) {
@@ -35,14 +36,13 @@ static double run(const char* name, const uint16_t* abuf, int64_t a_bytes, int64
             _tile_loadd(0, c, 128); _tile_loadd(1, c + 16, 128); _tile_loadd(2, c + 512, 128); _tile_loadd(3, c + 528, 128);
         }
         for (int s = 0; s < depth; ++s) {
-            const char* a = (const char*)abuf + ao;
+            const char* a = (const char*)abuf + arow + acol;
             const char* b = (const char*)bbuf + bo;
             _tile_loadd(4, a, lda); _tile_loadd(5, a + 16 * lda, lda);
             _tile_loadd(6, b, ldb); _tile_loadd(7, b + 64, ldb);
             _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
             // A: the next 64-byte column chunk of the same 32 rows; past the row's end, the next 32 rows
             if ((acol += 64) == lda) { acol = 0; arow += a_step; if (arow + a_step > a_bytes) arow = 0; }
-            ao = arow + acol;
             bo += b_step; if (bo + b_step > b_bytes) bo = 0;
         }
         if (kStore) {
@@ -57,7 +57,6 @@ static double run(const char* name, const uint16_t* abuf, int64_t a_bytes, int64
     const double flops = double(blocks) * depth * 4 * 2.0 * 16 * 16 * 32;
     std::printf("%-58s depth %2d: %7.0f GFLOP/s  %6.1f flop/TSC-cycle  %6.0f TSC cycles per block\n", name, depth,
                 flops / el * 1e-9, flops / cyc, cyc / blocks);
-    return flops / el * 1e-9;
 }
 
 int main() {

@@ -12,9 +12,9 @@
 // (one configuration); operands are zero-padded to whole tiles: D and Dv to 32, keys to 32, rows
 // to 32 (2 x 2 register blocking of C tiles: tmm0-3 accumulate, tmm4-5 hold A, tmm6-7 hold B).
 // Q, K and V^T are packed "tile-blocked": each A / B tile one contiguous 1 KB block (64-byte row
-// stride). A tile microbenchmark on the AMX test machine (bench/tools/amx_tile_bench.cpp; bench/RESULTS.md,
-// "AMX operands packed in tile blocks")
-// ran 2 x 2 blocks 1.3-1.7x faster from contiguous tiles than from rows 256 / 768 bytes apart.
+// stride). A tile microbenchmark on the AMX test machine (bench/tools/amx_tile_bench.cpp;
+// bench/RESULTS.md, "AMX operands packed in tile blocks") ran 2 x 2 blocks 1.3-1.7x faster from
+// contiguous tiles than from rows 256 / 768 bytes apart.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -123,9 +123,9 @@ struct AmxGemm : TransposedO<V512> {
     // V^T [round_up(Dv,32)][BC] bf16 in tile blocks (the A tile of rows [16a, 16a+16) x keys
     // [32e, 32e+32) at pair offset (a * (BC/32) + e) * 256, rows 16 pairs apart), zero past nc
     // keys and Dv columns. Built from 16 x 16 blocks of key pairs: row i of a block is
-    // (V[2i][j], V[2i+1][j]) for 16 columns j, as one
-    // uint32 each (the bf16 pair layout); transposing the block in registers gives, per column j,
-    // 16 consecutive pairs = 32 consecutive keys of V^T row j.
+    // (V[2i][j], V[2i+1][j]) for 16 columns j, as one uint32 each (the bf16 pair layout);
+    // transposing the block in registers gives, per column j, 16 consecutive pairs = 32
+    // consecutive keys of V^T row j.
     static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t Dv = p.dv, Dvp = o_rows(Dv), ncp = round_up(nc, 32);
         const uint16_t* v = static_cast<const uint16_t*>(p.v);
