@@ -17,7 +17,6 @@
 #include <immintrin.h>
 
 #include "kernel.h"
-#include "vecmath.h"
 
 namespace fa2cpu {
 namespace {
@@ -41,28 +40,30 @@ struct V512 {
     static vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
     static vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
     static vec abs(vec a) { return _mm512_abs_ps(a); }
+    // exp2 as scalef(p(f), x): vscalefps multiplies by 2^floor(x), so p needs only the fraction
+    // f = x - floor(x) in [0, 1] (vreduceps, one op; no clamps: reduce(+-inf) = 0, then scalef
+    // gives inf / 0; NaN stays NaN; large |x| over- or underflows in scalef). p is a minimax fit of
+    // 2^f for relative error on [0, 1] with p(0) = 1 exactly (Lawson iteration, float32 Horner):
+    // degree 5, 1.6e-7 (exp2: float32 P, alpha, the backward); degree 4, 3.0e-6 (exp2_bf16p: P
+    // rounded to bf16, 2^-9, for the bf16 GEMMs; its row sums use it unrounded). 7 and 6 vector ops
+    // (before: clamp, round, subtract, degree 6 / 4 on [-0.5, 0.5], scalef: 10 and 8 ops, 2.4e-7
+    // and 2.9e-6). exp2(0) = exp2_bf16p(0) = 1 and exp2(-inf) = exp2_bf16p(-inf) = 0 exactly.
     static vec exp2(vec x) {
-        // vmaxps/vminps return the second operand when either is NaN: x stays NaN.
-        x = _mm512_min_ps(_mm512_set1_ps(128.f), _mm512_max_ps(_mm512_set1_ps(-150.f), x));
-        const vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const vec f = _mm512_sub_ps(x, n);
-        vec p = _mm512_set1_ps(kExp2C[6]);
-        for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C[i]));
-        return _mm512_scalef_ps(p, n);  // p * 2^n, underflows to 0 for n = -150
-    }
-    // exp2 of softmax arguments (x <= ~0, or NaN) whose result is rounded to bf16 (P of the
-    // bf16 GEMMs; the row sums use it unrounded): lower clamp only, degree-4 polynomial fitted
-    // for relative error on [-0.5, 0.5] with p(0) = 1 exactly: 2.9e-6, far below bf16's 2^-9
-    // rounding; 3 vector ops fewer than exp2. exp2_bf16p(0) = 1 and exp2_bf16p(-inf) = 0 exactly.
-    static vec exp2_bf16p(vec x) {
-        x = _mm512_max_ps(_mm512_set1_ps(-150.f), x);  // NaN stays NaN (second operand)
-        const vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const vec f = _mm512_sub_ps(x, n);
-        vec p = _mm512_fmadd_ps(_mm512_set1_ps(0.009582799f), f, _mm512_set1_ps(0.055906326f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024099f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69312423f));
+        const vec f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        vec p = _mm512_fmadd_ps(_mm512_set1_ps(0.0018671307f), f, _mm512_set1_ps(0.0090170288f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.055799913f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24016444f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69315130f));
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-        return _mm512_scalef_ps(p, n);
+        return _mm512_scalef_ps(p, x);
+    }
+    static vec exp2_bf16p(vec x) {
+        const vec f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        vec p = _mm512_fmadd_ps(_mm512_set1_ps(0.013426689f), f, _mm512_set1_ps(0.052242465f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24128021f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69304484f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+        return _mm512_scalef_ps(p, x);
     }
     static vec tanh(vec x) {  // 1 - 2 / (e^(2x) + 1): exact limits +-1, NaN kept
         const vec t = exp2(_mm512_mul_ps(x, _mm512_set1_ps(2.f * kLog2e)));

@@ -1,4 +1,5 @@
-// Constants shared by the vectorised exp2 of the SIMD families.
+// Constants of the vectorised exp2 of the avx2 family (the AVX-512 families have vreduceps and
+// vscalefps and their own fit on [0, 1]: vec_avx512.h).
 //
 // exp2(x) = 2^n * 2^f with n = round(x), f = x - n in [-0.5, 0.5]; 2^f = e^(f ln2) by its
 // degree-6 Taylor polynomial: the first dropped term is (0.5 ln2)^7 / 7! = 1.2e-7 relative, at
