@@ -65,6 +65,9 @@ struct V256 {
         }
         if (j < n) load_row_scalar(dst + j, s + j, n - j, 1, dt);
     }
+    static void store_row(void* base, int64_t idx, int64_t stride, const float* src, int64_t n, DType dt) {
+        fa2cpu::store_row(base, idx, stride, src, n, dt);
+    }
 };
 
 double peak(int, double seconds) { return fma_peak_gflops<V256>(seconds); }

@@ -43,6 +43,9 @@ struct VGeneric {
     static void load_row(float* dst, const void* src, int64_t n, int64_t stride, DType dt) {
         load_row_scalar(dst, src, n, stride, dt);
     }
+    static void store_row(void* base, int64_t idx, int64_t stride, const float* src, int64_t n, DType dt) {
+        fa2cpu::store_row(base, idx, stride, src, n, dt);
+    }
 };
 
 double peak(int, double seconds) { return fma_peak_gflops<VGeneric, 4>(seconds); }

@@ -340,8 +340,8 @@ struct BackwardLoop {
         for (int64_t c = 0; c < nkeys; ++c) {
             const int64_t k_at = k_row_offset(p, b, it.kb + c, bp.dk_batch_stride, bp.dk_row_stride) + it.kv_head * bp.dk_head_stride;
             const int64_t v_at = k_row_offset(p, b, it.kb + c, bp.dv_batch_stride, bp.dv_row_stride) + it.kv_head * bp.dv_head_stride;
-            store_row(bp.dk, k_at, bp.dk_dim_stride, dkall + c * ldq, D, dt);
-            store_row(bp.dv, v_at, bp.dv_dim_stride, dvall + c * ldo, Dv, dt);
+            V::store_row(bp.dk, k_at, bp.dk_dim_stride, dkall + c * ldq, D, dt);
+            V::store_row(bp.dv, v_at, bp.dv_dim_stride, dvall + c * ldo, Dv, dt);
         }
     }
 
@@ -414,7 +414,7 @@ struct BackwardLoop {
             for (int64_t r = 0; r < rn; ++r) {
                 const int64_t h = it.kv_head * group + (g0 + r0 + r) / nqi, i = it.i0 + (g0 + r0 + r) % nqi;
                 const int64_t at = q_row_offset(p, it.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
-                store_row(bp.dq, at, bp.dq_dim_stride, buf + r * D, D, dt);
+                V::store_row(bp.dq, at, bp.dq_dim_stride, buf + r * D, D, dt);
             }
         }
     }

@@ -132,7 +132,7 @@ struct TileLoop {
             row_kv_head[r] = int32_t(h / group - it.kv_head);
             float row[kMaxHeadDim];
             const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
-            load_row_scalar(row, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
+            V::load_row(row, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
             G::pack_q_row(q, M, r, row, D, pack_scale);
             int64_t lo, hi;
             visible_range(p, nq, nk, i, &lo, &hi);
@@ -408,20 +408,22 @@ struct TileLoop {
     static void finish(const Params& p, const WorkItem& it, int64_t R, int64_t nqi, int64_t M,
                        const float* o, const float* mrow, const float* lrow, Partials parts) {
         const int64_t b = it.b, group = p.hq / p.hk, Dv = p.dv;
+        FA2CPU_CHECK(Dv <= kMaxHeadDim);  // the row buffer below
         for (int64_t r = 0; r < R; ++r) {
             const float l = lrow[r];
             const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
             const float lse2 = l == 0.f ? -INFINITY : mrow[r] + std::log2(l);
+            // The row gathered from G's O layout, normalised, then stored with V's conversions.
+            alignas(64) float buf[kMaxHeadDim];
+            float* row = it.part >= 0 ? parts.o + (it.part + r) * Dv : buf;
+            for (int64_t j = 0; j < Dv; ++j) row[j] = G::o_elem(o, M, Dv, r, j) * inv;
             if (it.part >= 0) {
-                float* po = parts.o + (it.part + r) * Dv;
-                for (int64_t j = 0; j < Dv; ++j) po[j] = G::o_elem(o, M, Dv, r, j) * inv;
                 parts.lse[it.part + r] = lse2;
                 continue;
             }
             const int64_t h = it.kv_head * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
             const int64_t out_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
-            for (int64_t j = 0; j < Dv; ++j)
-                store_scalar(p.out, out_at + j * p.out_dim_stride, G::o_elem(o, M, Dv, r, j) * inv, DType(p.dtype));
+            V::store_row(p.out, out_at, p.out_dim_stride, row, Dv, DType(p.dtype));
             if (p.lse) p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride] = lse2 * kLn2;
         }
     }

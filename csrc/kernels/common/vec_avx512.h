@@ -88,6 +88,32 @@ struct V512 {
         }
         if (j < n) load_row_scalar(dst + j, s + j, n - j, 1, dt);
     }
+    // n floats from src to elements idx, idx + stride, ... of base (dtype dt): kernel.h's
+    // store_row, 16 at a time for contiguous bf16 / fp16 with the same bits (round to nearest
+    // even; a NaN becomes the scalar conversions' quiet NaN: bf16 (u >> 16) | 0x40, fp16
+    // sign | 0x7e00).
+    static void store_row(void* base, int64_t idx, int64_t stride, const float* src, int64_t n, DType dt) {
+        if (stride != 1 || dt == DType::f32) { fa2cpu::store_row(base, idx, stride, src, n, dt); return; }
+        uint16_t* d = static_cast<uint16_t*>(base) + idx;
+        for (int64_t j = 0; j < n; j += 16) {
+            const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+            const __m512 x = _mm512_maskz_loadu_ps(m, src + j);
+            const __m512i u = _mm512_castps_si512(x);
+            const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            __m256i h;
+            if (dt == DType::bf16) {
+                const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+                const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+                const __m512i q = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+                h = _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, q));
+            } else {
+                const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+                const __m256i c = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                h = _mm256_mask_mov_epi16(c, nan, _mm512_cvtepi32_epi16(_mm512_or_si512(sign, _mm512_set1_epi32(0x7e00))));
+            }
+            _mm256_mask_storeu_epi16(d + j, m, h);
+        }
+    }
 };
 
 
