@@ -76,8 +76,6 @@ struct F8Elem {
     static __m512 load(const T* p, __mmask16 m) { return convert(_mm_maskz_loadu_epi8(m, p)); }
 };
 
-inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n < 0 ? 0 : n)) - 1); }
-
 template <class E>
 struct DecodeGemm {
     using T = typename E::T;

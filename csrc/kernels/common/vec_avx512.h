@@ -21,6 +21,9 @@
 namespace fa2cpu {
 namespace {
 
+// The mask of the first n of 16 lanes (none for n <= 0, all for n >= 16).
+inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n < 0 ? 0 : n)) - 1); }
+
 struct V512 {
     using vec = __m512;
     static constexpr int W = 16, RV = 6, NK = 4, ND = 4;
@@ -96,7 +99,7 @@ struct V512 {
         if (stride != 1 || dt == DType::f32) { fa2cpu::store_row(base, idx, stride, src, n, dt); return; }
         uint16_t* d = static_cast<uint16_t*>(base) + idx;
         for (int64_t j = 0; j < n; j += 16) {
-            const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+            const __mmask16 m = lanes_below(n - j);
             const __m512 x = _mm512_maskz_loadu_ps(m, src + j);
             const __m512i u = _mm512_castps_si512(x);
             const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
