@@ -41,13 +41,15 @@ struct Bf16Gemm : TransposedO<V> {
     static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
     // Row r of Q as bf16 pairs at q[t*M + r]: the row rounded to bf16 by V::store_row (vectorised,
     // the bits of f32_to_bf16; an odd D's last pair padded with 0), then one strided store per pair.
+    // (The pairs are built from the uint16_t array, not read through a uint32_t view of it: the
+    // padding store and such a read do not alias for the compiler, which let a D = 1 or 3 pair read
+    // its high half before the 0 was written: NaN rows now and then.)
     static void pack_q_row(float* qbuf, int64_t M, int64_t r, const float* row, int64_t D, float) {
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
-        alignas(64) uint32_t pairs[(kMaxHeadDim + 1) / 2];
-        uint16_t* h = reinterpret_cast<uint16_t*>(pairs);
+        alignas(64) uint16_t h[kMaxHeadDim + 2];
         V::store_row(h, 0, 1, row, D, DType::bf16);
-        if (D % 2) h[D] = 0;
-        for (int64_t t = 0; 2 * t < D; ++t) q[t * M + r] = pairs[t];  // little-endian: element 2t low
+        h[D] = 0;
+        for (int64_t t = 0; 2 * t < D; ++t) q[t * M + r] = pair(h[2 * t], h[2 * t + 1]);
     }
     static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
         uint32_t* q = reinterpret_cast<uint32_t*>(qbuf);
