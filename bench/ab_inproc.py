@@ -10,7 +10,7 @@ second build is faster) and the largest difference between their outputs.
 e.g. `PYTHONPATH=$PWD python bench/ab_inproc.py /tmp/base/fa2cpu fa2cpu 1 4 2048 0 fp32 9` (B=1,
 D=128; DTYPE and the FLOP count as fa2cpu-bench takes them, from the checkout's fa2cpu.bench).
 The decode form times `flash_attention_with_kvcache` on issue 13's case (B=16 Hq=32 Hk=8
-Nk=8192 D=128, bf16 q) with a CACHE of bf16, fp32 or int8 (uniform codes, scales U(0, 0.02)).
+Nk=8192 D=128, bf16 q) with a CACHE of bf16, fp32, int8 or fp8 (uniform codes, scales U(0, 0.02)).
 Works because the extension's init symbol depends only on the module's last name (`_core`) and the
 package imports itself relatively.
 """
@@ -36,12 +36,17 @@ def decode_case(cache, rng):
     """Arguments of flash_attention_with_kvcache for issue 13's decode case with a `cache` cache."""
     B, Hq, Hk, N, D = 16, 32, 8, 8192, 128
     q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32).astype(ml_dtypes.bfloat16)
-    if cache == "int8":
-        kc, vc = (rng.integers(-127, 128, (B, N, Hk, D), dtype=np.int8) for _ in range(2))
+    if cache in ("int8", "fp8"):
+        if cache == "int8":
+            kc, vc = (rng.integers(-127, 128, (B, N, Hk, D), dtype=np.int8) for _ in range(2))
+        else:  # every finite code (the two NaN codes, 0x7f and 0xff, left out)
+            kc, vc = (rng.integers(0, 126, (B, N, Hk, D), dtype=np.uint8) | (rng.integers(0, 2, (B, N, Hk, D),
+                      dtype=np.uint8) << 7) for _ in range(2))
+            kc, vc = (x.view(ml_dtypes.float8_e4m3fn) for x in (kc, vc))
         ks, vs = (rng.random((B, N, Hk), dtype=np.float32) * np.float32(0.02) for _ in range(2))
         return (q, kc, vc), dict(k_scale=ks, v_scale=vs)
     if cache not in ("bf16", "fp32"):
-        raise SystemExit(f"decode CACHE: bf16, fp32 or int8, not {cache!r}")
+        raise SystemExit(f"decode CACHE: bf16, fp32, int8 or fp8, not {cache!r}")
     dt = ml_dtypes.bfloat16 if cache == "bf16" else np.float32
     kc, vc = (rng.standard_normal((B, N, Hk, D), dtype=np.float32).astype(dt) for _ in range(2))
     return (q, kc, vc), {}

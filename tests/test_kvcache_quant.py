@@ -208,7 +208,7 @@ def test_nan_code_propagates(isa, rng):
 
 # ---------------------------------------------- int8 cache, 16-bit queries: the int16 products
 # On AVX512-VNNI families an int8 cache read by bf16 / fp16 queries takes int16 dot products
-# (gemm_decode.h, I8VnniDecodeGemm): q rounded to int16 per row, P x v_scale per (row, tile). Its
+# (gemm_decode.h, Q16DecodeGemm<I8Int16Codes>): q rounded to int16 per row, P x v_scale per (row, tile). Its
 # error (~2^-15 of a row's largest value) is far inside TOL, so these tests bound it more tightly
 # than TOL would: a weight or q kept at 8 bits, or a lost tile, would show at this bound (the
 # other families run the same checks on their float32 route).
@@ -373,3 +373,68 @@ def test_sinks_on_a_quantized_cache(isa, rng, code):
         q = rand(rng, (B, nq, Hq, D))
         check_quant(q, kc, vc, ks, vs, None, None, "float32", cache_seqlens=np.array([cap, 120], np.int32),
                     causal=True, sinks=sinks)
+
+
+# ------------------------------------- float8 cache, bf16 queries: the bf16 products
+# On AVX512-BF16 families a float8 cache read by bf16 queries takes bf16 pair products
+# (gemm_decode.h, Q16DecodeGemm<F8Bf16Codes>): codes to bf16 by a table (exact), q as given,
+# P x v_scale rounded to bf16. Other families and query dtypes run the float32 route; every
+# family runs these checks.
+ALL_F8 = np.arange(256, dtype=np.uint8).view(F8)
+
+
+def test_f8_every_code_decodes_exactly(isa):
+    """V: one key holding all 256 codes (two rows of 128 features) with v_scale 1: the output is
+    each code's value (NaN for the NaN codes), exactly. K: q one-hot per head picks one code: the
+    LSE of the one key is scale * value (the NaN codes, last in each row, replaced by zero there:
+    0 x NaN would make every score NaN, as the second check shows)."""
+    expect = ALL_F8.astype(np.float64).reshape(2, 128)
+    for part in range(2):
+        codes = ALL_F8[part * 128:(part + 1) * 128]
+        vc = codes.reshape(1, 1, 1, 128).copy()
+        kc = np.zeros_like(vc)
+        q = np.zeros((1, 1, 1, 128), ml_dtypes.bfloat16)
+        out = fa2cpu.flash_attention_with_kvcache(q, kc, vc, k_scale=np.ones((1, 1, 1), np.float32),
+                                                  v_scale=np.ones((1, 1, 1), np.float32), cache_seqlens=1)
+        got = out.astype(np.float64).reshape(128)
+        want = expect[part]
+        assert np.array_equal(np.isnan(got), np.isnan(want)), f"NaN codes, part {part}"
+        ok = ~np.isnan(want)
+        assert np.array_equal(got[ok], want[ok]), f"V codes, part {part}: {np.flatnonzero(got[ok] != want[ok])}"
+        kc = vc.copy()
+        kc.view(np.uint8)[0, 0, 0, 127] = 0  # the NaN code (0x7f / 0xff) -> +0
+        want = np.where(np.isnan(want), 0.0, want)
+        ones = np.ones((1, 1, 1), np.float32)
+        for first in range(0, 128, 16):  # 16 heads, one-hot q at features first .. first + 15
+            q = np.zeros((1, 1, 16, 128), ml_dtypes.bfloat16)
+            q[0, 0, np.arange(16), first + np.arange(16)] = 1
+            _, lse = fa2cpu.flash_attention_with_kvcache(q, kc, np.zeros_like(kc), k_scale=ones, v_scale=ones,
+                                                         cache_seqlens=1, scale=1.0, return_lse=True)
+            np.testing.assert_allclose(lse.astype(np.float64).reshape(16), want[first:first + 16], rtol=1e-6, atol=0,
+                                       err_msg=f"K codes, part {part}, features {first}")
+        _, lse = fa2cpu.flash_attention_with_kvcache(q, vc, np.zeros_like(vc), k_scale=ones, v_scale=ones,
+                                                     cache_seqlens=1, scale=1.0, return_lse=True)
+        assert np.isnan(lse).all(), "a NaN code in K makes every score of that key NaN"
+
+
+@pytest.mark.parametrize("layout", ["bshd", "paged16"])
+@pytest.mark.parametrize("Hq,Hk", [(32, 8), (6, 2)], ids=["gqa4", "gqa3"])
+@pytest.mark.parametrize("D,Dv,cap", [(128, 128, 600), (72, 40, 255), (256, 256, 257), (16, 100, 1)])
+def test_f8_bf16_products_precision(isa, rng, layout, Hq, Hk, D, Dv, cap):
+    """bf16 q on a float8 cache: each weight P x v_scale rounded to bf16 moves by at most 2^-8 of
+    itself, so an output by at most 2^-8 of sum_c p_c |v_c| (the reference on |V|), plus the bf16
+    output's own rounding (2^-8 of it); the LSE within float32 noise (q and the codes are exact,
+    the scores float32 sums)."""
+    B = 2
+    block = 16 if layout == "paged16" else None
+    cap_alloc = -(-cap // 16) * 16 if block else cap
+    kc, vc, ks, vs, table = quant_cache(rng, B, cap_alloc, Hk, D, Dv, "fp8", block_size=block)
+    q = rand(rng, (B, 1, Hq, D), "bfloat16", scale=2.0)
+    lens = np.array([cap, max(1, cap // 3)], np.int32)
+    r_out, r_lse = ref.kvcache_ref(q, dequantize(kc, ks), dequantize(vc, vs), cache_seqlens=lens, block_table=table)
+    out, lse = fa2cpu.flash_attention_with_kvcache(q, kc, vc, k_scale=ks, v_scale=vs, cache_seqlens=lens,
+                                                   block_table=table, return_lse=True)
+    r_abs, _ = ref.kvcache_ref(q, dequantize(kc, ks), np.abs(dequantize(vc, vs)), cache_seqlens=lens, block_table=table)
+    err = np.abs(out.astype(np.float64) - r_out)
+    assert (err <= 2.0 ** -8 * (r_abs + np.abs(r_out)) + 1e-6).all(), f"max error {err.max():.3g}"
+    np.testing.assert_allclose(lse.astype(np.float64), r_lse, rtol=1e-5, atol=1e-5)

@@ -52,15 +52,18 @@ struct TileRoute {
 // The decode route over one tile loop per K/V element type (float32, float16, bfloat16, and the
 // int8 / float8_e4m3fn codes of a quantized cache, all read in place: gemm_decode.h's
 // DecodeGemm<F32Elem>, ..., <F8Elem>), chosen per call by kv_dtype(p); an int8 cache read by
-// 16-bit queries takes LoopI8Q16 (int16 products where the family has them).
-template <class LoopF32, class LoopF16, class LoopBf16, class LoopI8, class LoopF8, class LoopI8Q16 = LoopI8>
+// 16-bit queries takes LoopI8Q16 (int16 products where the family has them), a float8 cache read
+// by bfloat16 queries LoopF8Q16 (bf16 products where the family has them).
+template <class LoopF32, class LoopF16, class LoopBf16, class LoopI8, class LoopF8, class LoopI8Q16 = LoopI8,
+          class LoopF8Q16 = LoopF8>
 struct DecodeRoute {
     using G = typename LoopF32::G;
     static_assert(LoopF16::BC == LoopF32::BC && LoopBf16::BC == LoopF32::BC && LoopI8::BC == LoopF32::BC &&
-                      LoopF8::BC == LoopF32::BC && LoopI8Q16::BC == LoopF32::BC,
+                      LoopF8::BC == LoopF32::BC && LoopI8Q16::BC == LoopF32::BC && LoopF8Q16::BC == LoopF32::BC,
                   "one tile size for every dtype");
     static bool serves(const Params&, int64_t rows_per_kv_head) { return rows_per_kv_head <= G::kRowsPerHead; }
     static bool q16(const Params& p) { return DType(p.dtype) == DType::bf16 || DType(p.dtype) == DType::f16; }
+    static bool qbf16(const Params& p) { return DType(p.dtype) == DType::bf16; }
     // Items span kv heads when the cache interleaves heads within a position and K/V are read in
     // place (unit feature stride: a packed tile holds one head).
     static int64_t kv_heads_per_item(const Params& p, int64_t rows_per_kv_head) {
@@ -76,7 +79,7 @@ struct DecodeRoute {
             case DType::bf16: return LoopBf16::scratch_floats(p, rows);
             case DType::f16: return LoopF16::scratch_floats(p, rows);
             case DType::i8: return q16(p) ? LoopI8Q16::scratch_floats(p, rows) : LoopI8::scratch_floats(p, rows);
-            case DType::f8e4m3: return LoopF8::scratch_floats(p, rows);
+            case DType::f8e4m3: return qbf16(p) ? LoopF8Q16::scratch_floats(p, rows) : LoopF8::scratch_floats(p, rows);
             default: return LoopF32::scratch_floats(p, rows);
         }
     }
@@ -85,7 +88,7 @@ struct DecodeRoute {
             case DType::bf16: return LoopBf16::run_item(p, it, ctx);
             case DType::f16: return LoopF16::run_item(p, it, ctx);
             case DType::i8: return q16(p) ? LoopI8Q16::run_item(p, it, ctx) : LoopI8::run_item(p, it, ctx);
-            case DType::f8e4m3: return LoopF8::run_item(p, it, ctx);
+            case DType::f8e4m3: return qbf16(p) ? LoopF8Q16::run_item(p, it, ctx) : LoopF8::run_item(p, it, ctx);
             default: return LoopF32::run_item(p, it, ctx);
         }
     }
