@@ -186,9 +186,13 @@ def _bits(arrays):
     return [np.ascontiguousarray(np.asarray(a)).view(np.uint8).copy() for a in arrays]
 
 
+def _problems(rng, n):
+    return [MAKERS[i % len(MAKERS)](rng, DTYPES[int(rng.integers(len(DTYPES)))]) for i in range(n)]
+
+
 def test_mixed_calls_repeat_bit_for_bit(isa):
     rng = np.random.default_rng(20261202 + sum(map(ord, isa)))
-    problems = [MAKERS[i % len(MAKERS)](rng, DTYPES[int(rng.integers(len(DTYPES)))]) for i in range(N_PROBLEMS)]
+    problems = _problems(rng, N_PROBLEMS)
     first = []
     for p in problems:
         threads = int(rng.integers(1, 4))
@@ -218,3 +222,44 @@ def test_mixed_calls_repeat_bit_for_bit(isa):
             for i, (a, b) in enumerate(zip(_bits(again), first[idx])):
                 assert np.array_equal(a, b), f"round {rnd}, {threads} threads, out={'NaN-filled' if out is not None else None}: " \
                                              f"{p['what']} result {i} differs from its first run"
+
+
+def test_mixed_calls_from_concurrent_python_threads(isa):
+    """Servers call from several Python threads at once (the kernels release the GIL): four
+    threads each run every problem in their own shuffled order, on 1-2 threads each, some into
+    NaN-filled out= buffers, each after a NaN-filled call; every result must be the sequential
+    run's bytes (no scratch, pool or shared-tile state may leak between concurrent calls)."""
+    import threading
+    rng = np.random.default_rng(20261203 + sum(map(ord, isa)))
+    problems = _problems(rng, N_PROBLEMS // 2)
+    first = [_bits(p["run"](1)) for p in problems]
+    n_threads = 4
+    orders = [rng.permutation(len(problems)) for _ in range(n_threads)]
+    use_out = [rng.random(len(problems)) < 0.5 for _ in range(n_threads)]
+    poison = [rng.integers(len(problems), size=len(problems)) for _ in range(n_threads)]
+    failures = []
+    barrier = threading.Barrier(n_threads)
+
+    def worker(w):
+        barrier.wait()
+        for k, idx in enumerate(orders[w]):
+            p = problems[idx]
+            out = None
+            if p["out_shape"] is not None and use_out[w][idx]:
+                out = np.full(p["out_shape"], np.nan, NP_DTYPES[p["dtype"]])
+            try:
+                problems[poison[w][k]]["poisoned"]()
+                again = p["run"](1 + (w + k) % 2, out)
+            except Exception as exc:  # reported below, with the problem
+                failures.append(f"thread {w}: {p['what']}: {exc!r}")
+                continue
+            for i, (a, b) in enumerate(zip(_bits(again), first[idx])):
+                if not np.array_equal(a, b):
+                    failures.append(f"thread {w}: {p['what']} result {i} differs from the sequential run")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, "\n".join(failures[:5])
