@@ -32,15 +32,16 @@ def load(pkg_dir, name, root):
     return importlib.import_module(name)
 
 
-def decode_case(cache, rng):
-    """Arguments of flash_attention_with_kvcache for issue 13's decode case with a `cache` cache."""
-    B, Hq, Hk, N, D = 16, 32, 8, 8192, 128
+def decode_case(cache, rng, B=16, N=8192):
+    """Arguments of flash_attention_with_kvcache for issue 13's decode case (B sequences, N cached
+    tokens) with a `cache` cache."""
+    Hq, Hk, D = 32, 8, 128
     q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32).astype(ml_dtypes.bfloat16)
     if cache in ("int8", "fp8"):
         if cache == "int8":
             kc, vc = (rng.integers(-127, 128, (B, N, Hk, D), dtype=np.int8) for _ in range(2))
         else:  # every finite code (the two NaN codes, 0x7f and 0xff, left out)
-            kc, vc = (rng.integers(0, 126, (B, N, Hk, D), dtype=np.uint8) | (rng.integers(0, 2, (B, N, Hk, D),
+            kc, vc = (rng.integers(0, 127, (B, N, Hk, D), dtype=np.uint8) | (rng.integers(0, 2, (B, N, Hk, D),
                       dtype=np.uint8) << 7) for _ in range(2))
             kc, vc = (x.view(ml_dtypes.float8_e4m3fn) for x in (kc, vc))
         ks, vs = (rng.random((B, N, Hk), dtype=np.float32) * np.float32(0.02) for _ in range(2))

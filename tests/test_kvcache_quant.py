@@ -389,13 +389,13 @@ def test_f8_every_code_decodes_exactly(isa):
     LSE of the one key is scale * value (the NaN codes, last in each row, replaced by zero there:
     0 x NaN would make every score NaN, as the second check shows)."""
     expect = ALL_F8.astype(np.float64).reshape(2, 128)
+    ones = np.ones((1, 1, 1), np.float32)
     for part in range(2):
         codes = ALL_F8[part * 128:(part + 1) * 128]
         vc = codes.reshape(1, 1, 1, 128).copy()
         kc = np.zeros_like(vc)
         q = np.zeros((1, 1, 1, 128), ml_dtypes.bfloat16)
-        out = fa2cpu.flash_attention_with_kvcache(q, kc, vc, k_scale=np.ones((1, 1, 1), np.float32),
-                                                  v_scale=np.ones((1, 1, 1), np.float32), cache_seqlens=1)
+        out = fa2cpu.flash_attention_with_kvcache(q, kc, vc, k_scale=ones, v_scale=ones, cache_seqlens=1)
         got = out.astype(np.float64).reshape(128)
         want = expect[part]
         assert np.array_equal(np.isnan(got), np.isnan(want)), f"NaN codes, part {part}"
@@ -404,7 +404,6 @@ def test_f8_every_code_decodes_exactly(isa):
         kc = vc.copy()
         kc.view(np.uint8)[0, 0, 0, 127] = 0  # the NaN code (0x7f / 0xff) -> +0
         want = np.where(np.isnan(want), 0.0, want)
-        ones = np.ones((1, 1, 1), np.float32)
         for first in range(0, 128, 16):  # 16 heads, one-hot q at features first .. first + 15
             q = np.zeros((1, 1, 16, 128), ml_dtypes.bfloat16)
             q[0, 0, np.arange(16), first + np.arange(16)] = 1

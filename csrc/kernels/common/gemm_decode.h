@@ -476,6 +476,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
     using Base::head_offsets;
     using Base::sums16;
     using Code = typename C::Elem::T;  // int8_t / uint8_t
+    // Lanes of x that are inf or NaN (a q row or weight with one makes its row NaN).
+    static __mmask16 nonfinite(__m512 x) { return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); }
     static int64_t d32(int64_t n) { return round_up(n, 32); }
     static int64_t q_floats(int64_t D, int64_t M) { return M * d32(D) / 2 + M; }
     // Row r's first 32 features (its group's block, then r % RG rows in).
@@ -496,7 +498,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
             bool finite = true;
             for (int64_t d = 0; d < d32(D); d += 16) {
                 const __m512 x = _mm512_maskz_loadu_ps(lanes_below(D - d), row + d);
-                finite &= _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ) == 0;
+                finite &= nonfinite(x) == 0;
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (d / 32) * RG * 32 + d % 32), C::to_bf16(x));
             }
             q[M * d32(D) / 2 + r] = finite ? qscale : NAN;
@@ -505,9 +507,9 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
         __m512 amax = _mm512_setzero_ps();
         __mmask16 bad = 0;
         for (int64_t d = 0; d < D; d += 16) {
-            const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_below(D - d), row + d));
-            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);  // inf or NaN
-            amax = _mm512_max_ps(amax, a);
+            const __m512 x = _mm512_maskz_loadu_ps(lanes_below(D - d), row + d);
+            bad |= nonfinite(x);
+            amax = _mm512_max_ps(amax, _mm512_abs_ps(x));
         }
         const bool finite = bad == 0;
         const float mx = _mm512_reduce_max_ps(amax);
@@ -655,8 +657,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
             for (int64_t c = 0; c < nc; c += 2) {  // pair c/2 lands at key slot c/2 <= c: read before written
                 const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(s + c * RB), vs.at(c));
                 const __m512 hi = c + 1 < nc ? _mm512_mul_ps(_mm512_loadu_ps(s + (c + 1) * RB), vs.at(c + 1)) : _mm512_setzero_ps();
-                bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(lo), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ) |
-                       _mm512_cmp_ps_mask(_mm512_abs_ps(hi), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);
+                bad |= nonfinite(lo) | nonfinite(hi);
                 _mm512_storeu_si512(pairs + (c / 2) * RB, _mm512_or_si512(_mm512_cvtepu16_epi32(C::to_bf16(lo)),
                                                                           _mm512_slli_epi32(_mm512_cvtepu16_epi32(C::to_bf16(hi)), 16)));
             }
@@ -668,9 +669,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
         for (int64_t c = 0; c < nc; ++c) {
             const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(s + c * RB), vs.at(c));
             _mm512_storeu_ps(s + c * RB, w);
-            const __m512 a = _mm512_abs_ps(w);
-            bad |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ);  // inf or NaN
-            wmax = _mm512_max_ps(wmax, a);
+            bad |= nonfinite(w);
+            wmax = _mm512_max_ps(wmax, _mm512_abs_ps(w));
         }
         // inv <= 32767 / wmax keeps |w| * inv <= 32767 (rounded: 32767); 0 for an all-zero row
         const __m512 inv = _mm512_min_ps(_mm512_maskz_div_ps(_mm512_cmp_ps_mask(wmax, _mm512_setzero_ps(), _CMP_GT_OQ),
