@@ -186,6 +186,15 @@ def _bits(arrays):
     return [np.ascontiguousarray(np.asarray(a)).view(np.uint8).copy() for a in arrays]
 
 
+def _rerun(p, threads, into_out):
+    """Problem p again on `threads` threads, into a NaN-filled out= buffer when asked (and it has
+    one): its results' bytes."""
+    out = np.full(p["out_shape"], np.nan, NP_DTYPES[p["dtype"]]) if into_out and p["out_shape"] is not None else None
+    again = p["run"](threads, out)
+    assert out is None or again[0] is out, p["what"]
+    return _bits(again)
+
+
 def _problems(rng, n):
     return [MAKERS[i % len(MAKERS)](rng, DTYPES[int(rng.integers(len(DTYPES)))]) for i in range(n)]
 
@@ -212,15 +221,9 @@ def test_mixed_calls_repeat_bit_for_bit(isa):
         for idx in order:
             p = problems[idx]
             problems[int(rng.integers(N_PROBLEMS))]["poisoned"]()  # NaN left on stacks and scratch
-            threads = 1 + (rnd + int(idx)) % 3
-            out = None
-            if p["out_shape"] is not None and rng.random() < 0.5:
-                out = np.full(p["out_shape"], np.nan, NP_DTYPES[p["dtype"]])
-            again = p["run"](threads, out)
-            if out is not None:
-                assert again[0] is out, p["what"]
-            for i, (a, b) in enumerate(zip(_bits(again), first[idx])):
-                assert np.array_equal(a, b), f"round {rnd}, {threads} threads, out={'NaN-filled' if out is not None else None}: " \
+            threads, into_out = 1 + (rnd + int(idx)) % 3, bool(rng.random() < 0.5)
+            for i, (a, b) in enumerate(zip(_rerun(p, threads, into_out), first[idx])):
+                assert np.array_equal(a, b), f"round {rnd}, {threads} threads, NaN-filled out={into_out}: " \
                                              f"{p['what']} result {i} differs from its first run"
 
 
@@ -244,16 +247,13 @@ def test_mixed_calls_from_concurrent_python_threads(isa):
         barrier.wait()
         for k, idx in enumerate(orders[w]):
             p = problems[idx]
-            out = None
-            if p["out_shape"] is not None and use_out[w][idx]:
-                out = np.full(p["out_shape"], np.nan, NP_DTYPES[p["dtype"]])
             try:
                 problems[poison[w][k]]["poisoned"]()
-                again = p["run"](1 + (w + k) % 2, out)
+                again = _rerun(p, 1 + (w + k) % 2, use_out[w][idx])
             except Exception as exc:  # reported below, with the problem
                 failures.append(f"thread {w}: {p['what']}: {exc!r}")
                 continue
-            for i, (a, b) in enumerate(zip(_bits(again), first[idx])):
+            for i, (a, b) in enumerate(zip(again, first[idx])):
                 if not np.array_equal(a, b):
                     failures.append(f"thread {w}: {p['what']} result {i} differs from the sequential run")
 
