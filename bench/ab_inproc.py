@@ -6,11 +6,14 @@ second build is faster) and the largest difference between their outputs.
 
     PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS HEADS N CAUSAL(0|1) DTYPE REPS
     PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS decode CACHE REPS
+    PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS backward HEADS N CAUSAL DTYPE REPS
 
 e.g. `PYTHONPATH=$PWD python bench/ab_inproc.py /tmp/base/fa2cpu fa2cpu 1 4 2048 0 fp32 9` (B=1,
 D=128; DTYPE and the FLOP count as fa2cpu-bench takes them, from the checkout's fa2cpu.bench).
 The decode form times `flash_attention_with_kvcache` on issue 13's case (B=16 Hq=32 Hk=8
 Nk=8192 D=128, bf16 q) with a CACHE of bf16, fp32, int8 or fp8 (uniform codes, scales U(0, 0.02)).
+The backward form times flash_attention_backward alone (from the base build's forward out / lse;
+GFLOP/s count its five products, 10 * heads * visible pairs * 128).
 Works because the extension's init symbol depends only on the module's last name (`_core`) and the
 package imports itself relatively.
 """
@@ -81,20 +84,31 @@ def main():
     mods = {"base": load(base_dir, "fa2cpu_ab_base", root), "new": load(new_dir, "fa2cpu_ab_new", root)}
     if sys.argv[4] == "decode":
         main_decode(mods, int(sys.argv[3]), sys.argv[5], int(sys.argv[6]))
+    elif sys.argv[4] == "backward":
+        main_prefill(mods, sys.argv[3:4] + sys.argv[5:], backward=True)
     else:
         main_prefill(mods, sys.argv[3:])
     shutil.rmtree(root, ignore_errors=True)
 
 
-def main_prefill(mods, argv):
+def main_prefill(mods, argv, backward=False):
     threads, heads, n = (int(x) for x in argv[:3])
     causal, dtype, reps = argv[3] == "1", dtype_name(argv[4]), int(argv[5])
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((1, heads, n, 128), dtype=np.float32).astype(DTYPES[dtype]) for _ in range(3))
-    outs, med = alternate(mods, lambda m: m.flash_attention(q, k, v, causal=causal, num_threads=threads), reps)
-    flops = 4 * heads * visible_pairs(n, n, causal) * 128
+    q, k, v, do = (rng.standard_normal((1, heads, n, 128), dtype=np.float32).astype(DTYPES[dtype]) for _ in range(4))
+    if backward:
+        out, lse = mods["base"].flash_attention(q, k, v, causal=causal, return_lse=True, num_threads=threads)
+
+        def call(m):
+            dq, dk, dv = m.flash_attention_backward(do, q, k, v, out, lse, causal=causal, num_threads=threads)
+            return np.concatenate([x.astype(np.float64).ravel() for x in (dq, dk, dv)])
+    else:
+        def call(m):
+            return m.flash_attention(q, k, v, causal=causal, num_threads=threads)
+    outs, med = alternate(mods, call, reps)
+    flops = (10 if backward else 4) * heads * visible_pairs(n, n, causal) * 128
     mb, mn = med["base"], med["new"]
-    print(f"{dtype} T={threads} H={heads} N={n} causal={causal}: base {mb * 1e3:.1f} ms {flops / mb / 1e9:.1f} GF/s, "
+    print(f"{'backward ' if backward else ''}{dtype} T={threads} H={heads} N={n} causal={causal}: base {mb * 1e3:.1f} ms {flops / mb / 1e9:.1f} GF/s, "
           f"new {mn * 1e3:.1f} ms {flops / mn / 1e9:.1f} GF/s, base/new {mb / mn:.3f}; "
           f"max|diff| {np.abs(outs['base'] - outs['new']).max():.2e}")
 

@@ -173,9 +173,12 @@ def test_lengths(Nq, Nk, causal, rng):
     _run(rng, 1, 2, 1, Nq, Nk, 16, 8, causal=causal)
 
 
-@pytest.mark.parametrize("D,Dv", [(1, 1), (3, 5), (64, 64), (80, 48), (128, 256), (256, 1)])
-def test_head_dims(D, Dv, rng):
-    _run(rng, 1, 2, 2, 33, 45, D, Dv, causal=True)
+@pytest.mark.parametrize("D,Dv", [(1, 1), (3, 5), (64, 64), (80, 48), (100, 72), (128, 256), (256, 1)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_dims_per_isa(D, Dv, dtype, isa, rng):
+    """Head dims whole, partial and below the families' 16 x 16 transposes (100 / 72: whole
+    blocks plus a tail), 2 heads x 33 rows (a partial row block)."""
+    _run(rng, 1, 2, 2, 33, 45, D, Dv, dtype=dtype, causal=True)
 
 
 @pytest.mark.parametrize("Hq,Hk", [(8, 2), (4, 1), (6, 3), (5, 5)])

@@ -151,12 +151,11 @@ struct AmxProducts {
             for (int64_t d = 0; d < x.ldq; ++d)
                 for (int64_t e = d < D ? x.keys : 0; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;
         }
-        for (int64_t d = 0; d < x.ldq; ++d) {
-            const uint16_t h = d < D ? f32_to_bf16(k[d]) : 0;
-            x.kr[c * x.ldq + d] = h;
-            if (d < D) x.kT[d * x.ldkt + c] = h;
-        }
-        for (int64_t j = 0; j < x.ldo; ++j) x.vr[c * x.ldo + j] = j < Dv ? f32_to_bf16(v[j]) : 0;
+        // k, v hold bf16 values (this policy runs bf16 inputs only): the conversions are exact.
+        uint16_t* kr = x.kr + c * x.ldq;
+        to_bf16(kr, x.ldq, k, D);
+        to_bf16(x.vr + c * x.ldo, x.ldo, v, Dv);
+        for (int64_t d = 0; d < D; ++d) x.kT[d * x.ldkt + c] = kr[d];
     }
     // Row r of the group into the bf16 staging rows (q / dO null: a padding row of zeros).
     static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {

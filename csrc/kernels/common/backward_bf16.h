@@ -143,12 +143,15 @@ struct Bf16Products {
     static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
 
     static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
-        for (int64_t d = 0; d < 2 * x.d2; ++d) {
-            const uint16_t h = d < D ? f32_to_bf16(k[d]) : 0;
-            x.kb[c * 2 * x.d2 + d] = h;
-            if (d < D) x.kT[d * x.ldkt + c] = h;
-        }
-        for (int64_t j = 0; j < 2 * x.dv2; ++j) x.vb[c * 2 * x.dv2 + j] = j < Dv ? f32_to_bf16(v[j]) : 0;
+        // Rows rounded by V512::store_row (vectorised, the bits of f32_to_bf16; exact here, the
+        // inputs being bf16), an odd D's last half 0; then K^T's column c.
+        uint16_t* kb = x.kb + c * 2 * x.d2;
+        uint16_t* vb = x.vb + c * 2 * x.dv2;
+        V512::store_row(kb, 0, 1, k, D, DType::bf16);
+        V512::store_row(vb, 0, 1, v, Dv, DType::bf16);
+        if (D % 2) kb[D] = 0;
+        if (Dv % 2) vb[Dv] = 0;
+        for (int64_t d = 0; d < D; ++d) x.kT[d * x.ldkt + c] = kb[d];
         if (c == 0)  // K^T's padding columns (keys, ldkt): zero
             for (int64_t d = 0; d < D; ++d)
                 for (int64_t e = x.keys; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;

@@ -46,11 +46,31 @@
 // (times 1 - tanh^2 with softcap), both exactly 0 outside each row's visible range; then
 // dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T. No Nq x Nk buffer exists.
 #pragma once
+#include <type_traits>
+
 #include "gemm_f32.h"
 #include "kernel.h"
 
 namespace fa2cpu {
 namespace {
+
+// A 16 x 16 block copied transposed, dst[i * ldd + j] = src[j * lds + i]: V::transpose16 when
+// the family has one (V512: in registers), else element by element. The element loops of these
+// copies ran ~5x slower per row on the AMX Xeon than on the Zen 4 (session 27: dq's panels-to-rows
+// copy 9-11 % of the AMX bf16 backward, 3.9 % of the fp32 one, against 0.5 % on the Zen 4).
+template <class V, class = void>
+struct HasTranspose16 : std::false_type {};
+template <class V>
+struct HasTranspose16<V, std::void_t<decltype(&V::transpose16)>> : std::true_type {};
+template <class V>
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    if constexpr (HasTranspose16<V>::value) {
+        V::transpose16(src, lds, dst, ldd);
+    } else {
+        for (int i = 0; i < 16; ++i)
+            for (int j = 0; j < 16; ++j) dst[i * ldd + j] = src[j * lds + i];
+    }
+}
 
 // Scratch handed out in 64-byte steps from base (with base == nullptr: only counted, in `used`).
 struct Carver {
@@ -126,21 +146,20 @@ struct F32Products {
         to_panels(x.qr, x.ldq, M, D, x.qT);
         to_panels(x.dor, x.ldo, M, Dv, x.doT);
     }
-    // rows [M][ld] -> panels (`panel`) of `features` features, 16 features of a row block at a
-    // time: the lines touched (16 per row written, 6 KB per chunk at RB = 96) stay in L1. Written
-    // row by row (D lines per row, the panels of one row block 384 B apart, Q's and dO's in the same
-    // L1 sets), the transposes cost ~4000 cycles per row at D = 128, 5-8 % of the backward
-    // (1 thread, fp32 B=1 H=4 N=2048, rdtsc around each phase).
+    // rows [M][ld] -> panels (`panel`) of `features` features, by 16 x 16 blocks (transpose16)
+    // where whole, element by element for the rest. (Written row by row, D lines per row, the
+    // transposes once cost ~4000 cycles per row at D = 128, 5-8 % of the backward.)
     static void to_panels(const float* rows, int64_t ld, int64_t M, int64_t features, float* panels) {
         for (int64_t r0 = 0; r0 < M; r0 += RB) {
             const int64_t rn = M - r0 < RB ? M - r0 : RB;
             float* block = panels + r0 * features;  // panel(r0, features, 0)
-            int64_t f0 = 0;
-            for (; f0 + 16 <= features; f0 += 16)  // (a constant trip count the compiler unrolls)
-                for (int64_t r = 0; r < rn; ++r)
-                    for (int64_t f = f0; f < f0 + 16; ++f) block[f * RB + r] = rows[(r0 + r) * ld + f];
-            for (int64_t r = 0; r < rn; ++r)
-                for (int64_t f = f0; f < features; ++f) block[f * RB + r] = rows[(r0 + r) * ld + f];
+            int64_t r = 0;
+            for (; r + 16 <= rn; r += 16)  // 16 x 16 blocks, then the rows and features left
+                for (int64_t f0 = 0; f0 + 16 <= features; f0 += 16)
+                    transpose16<V>(rows + (r0 + r) * ld + f0, ld, block + f0 * RB + r, RB);
+            const int64_t fw = features / 16 * 16;
+            for (int64_t rr = 0; rr < rn; ++rr)
+                for (int64_t f = rr < r ? fw : 0; f < features; ++f) block[f * RB + rr] = rows[(r0 + rr) * ld + f];
         }
     }
     // P and dS of one vector of rows of key c (at = c * RB + row lane) into s / dp.
@@ -148,9 +167,14 @@ struct F32Products {
         V::store(sp, pr);
         V::store(dpp, ds);
     }
+    // One reduction pass over all D features (no DC passes, unlike the forward): on the 2-core
+    // Zen 4, 1 thread, fp32 B=1 D=128 N=2048, the backward ran 2.6-5.8 % faster with one pass than
+    // with V512's two passes of 64 (the two score products 8 % faster), the same within noise on
+    // the AMX Xeon; the forward gained 1.5 % on the Zen 4 and lost 2-3 % on the Xeon at 16 threads,
+    // so it keeps DC (bench/RESULTS.md, session 27).
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t D, int64_t Dv, float* s, float* dp) {
-        G::qk_nv(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
-        G::qk_nv(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
+        G::template qk_nv<kMaxHeadDim>(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
+        G::template qk_nv<kMaxHeadDim>(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
     }
     static void updates(Bufs& x, int nv, int64_t r0, int64_t rows, int64_t ck, int64_t n, int64_t D, const float* s,
                         const float* dp, float* dkall, float* dvall, float* dqT) {
@@ -402,14 +426,22 @@ struct BackwardLoop {
                          float* dq_part) {
         const Params& p = bp.f;
         const int64_t D = p.d, Dq = P::dq_features(D), group = p.hq / p.hk, nqi = it.i1 - it.i0;
-        // 16 rows at a time through row-major rows (the panels read 16 rows = one line at a time).
-        float buf[16 * kMaxHeadDim];
+        // RC rows at a time through row-major rows (the panels read RC = 16 rows = one line at a
+        // time); the RC rows lie in one row block, so (row r0 + r, feature d) is src[d * RB + r]
+        // (indexing by `panel` per element cost 10-11 % of the AMX backward: session 27).
+        constexpr int64_t RC = RB % 16 == 0 ? 16 : RB;
+        static_assert(RB % RC == 0, "chunks of RC rows stay in one row block");
+        float buf[RC * kMaxHeadDim];
         const DType dt = DType(p.dtype);
-        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-            const int64_t rn = rows - r0 < 16 ? rows - r0 : 16;
+        for (int64_t r0 = 0; r0 < rows; r0 += RC) {
+            const int64_t rn = rows - r0 < RC ? rows - r0 : RC;
             float* out = it.part >= 0 ? dq_part + it.part + (g0 + r0) * D : buf;
-            for (int64_t d = 0; d < D; ++d)
-                for (int64_t r = 0; r < rn; ++r) out[r * D + d] = dqT[panel(r0 + r, Dq, d)];
+            const float* src = dqT + panel(r0, Dq, 0);
+            int64_t d0 = 0;
+            if (rn == 16)
+                for (; d0 + 16 <= D; d0 += 16) transpose16<V>(src + d0 * RB, RB, out + d0, D);
+            for (int64_t d = d0; d < D; ++d)
+                for (int64_t r = 0; r < rn; ++r) out[r * D + d] = src[d * RB + r];
             if (it.part >= 0) continue;
             for (int64_t r = 0; r < rn; ++r) {
                 const int64_t h = it.kv_head * group + (g0 + r0 + r) / nqi, i = it.i0 + (g0 + r0 + r) % nqi;

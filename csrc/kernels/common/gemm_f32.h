@@ -139,11 +139,12 @@ struct F32Gemm : TransposedO<V> {
         for (; c + NK <= nc; c += NK) qk_micro<NV, NK, kAccumulate>(qT, M, kt + c * ldk, ldk, D, s + c * RB);
         if (c < nc) qk_tail<NV, kAccumulate>(int(nc - c), qT, M, kt + c * ldk, ldk, D, s + c * RB);
     }
-    template <int NV>
+    // Passes of at most kDC features (DC for the forward; the backward passes its own, below).
+    template <int NV, int64_t kDC = DC>
     static void qk_block(const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
-        qk_pass<NV, false>(qT, M, kt, ldk, D < DC ? D : DC, nc, s);
-        for (int64_t d0 = DC; d0 < D; d0 += DC)
-            qk_pass<NV, true>(qT + d0 * M, M, kt + d0, ldk, D - d0 < DC ? D - d0 : DC, nc, s);
+        qk_pass<NV, false>(qT, M, kt, ldk, D < kDC ? D : kDC, nc, s);
+        for (int64_t d0 = kDC; d0 < D; d0 += kDC)
+            qk_pass<NV, true>(qT + d0 * M, M, kt + d0, ldk, D - d0 < kDC ? D - d0 : kDC, nc, s);
     }
     template <int NV>
     static void pv_block(const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
@@ -157,11 +158,11 @@ struct F32Gemm : TransposedO<V> {
         }
     }
     // Row blocks of nv = 1..RV vectors (the last block of an item may be partial).
-    template <int NV = RV>
+    template <int64_t kDC = DC, int NV = RV>
     static void qk_nv(int nv, const float* qT, int64_t M, const float* kt, int64_t ldk, int64_t D, int64_t nc, float* s) {
         if constexpr (NV >= 1) {
-            if (nv == NV) qk_block<NV>(qT, M, kt, ldk, D, nc, s);
-            else qk_nv<NV - 1>(nv, qT, M, kt, ldk, D, nc, s);
+            if (nv == NV) qk_block<NV, kDC>(qT, M, kt, ldk, D, nc, s);
+            else qk_nv<kDC, NV - 1>(nv, qT, M, kt, ldk, D, nc, s);
         }
     }
     template <int NV = RV>

@@ -117,6 +117,9 @@ struct V512 {
             _mm256_mask_storeu_epi16(d + j, m, h);
         }
     }
+    // dst[i * ldd + j] = src[j * lds + i] for i, j < 16: a 16 x 16 float32 block transposed in
+    // registers (backward_loop.h's panel <-> row copies; below transpose16x16_epi32).
+    static void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd);
 };
 
 
@@ -149,6 +152,13 @@ inline void transpose16x16_epi32(__m512i r[16]) {
         r[4 + k] = _mm512_shuffle_i32x4(t[2 * k + 1], t[8 + 2 * k + 1], 0x88);   // column 4+k
         r[12 + k] = _mm512_shuffle_i32x4(t[2 * k + 1], t[8 + 2 * k + 1], 0xdd);  // column 12+k
     }
+}
+
+inline void V512::transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_castps_si512(_mm512_loadu_ps(src + j * lds));
+    transpose16x16_epi32(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ldd, _mm512_castsi512_ps(r[i]));
 }
 
 }  // namespace
