@@ -55,9 +55,9 @@ namespace fa2cpu {
 namespace {
 
 // A 16 x 16 block copied transposed, dst[i * ldd + j] = src[j * lds + i]: V::transpose16 when
-// the family has one (V512: in registers), else element by element. The element loops of these
-// copies ran ~5x slower per row on the AMX Xeon than on the Zen 4 (session 27: dq's panels-to-rows
-// copy 9-11 % of the AMX bf16 backward, 3.9 % of the fp32 one, against 0.5 % on the Zen 4).
+// the family has one (V512: in registers), else element by element (bench/RESULTS.md, session 27:
+// dq's element-loop copy cost ~1000-1400 cycles per row on the AMX Xeon, 9-11 % of its bf16
+// backward; with the transposes that phase still reads 8 % there, so it waits on more than them).
 template <class V, class = void>
 struct HasTranspose16 : std::false_type {};
 template <class V>
@@ -168,10 +168,10 @@ struct F32Products {
         V::store(dpp, ds);
     }
     // One reduction pass over all D features (no DC passes, unlike the forward): on the 2-core
-    // Zen 4, 1 thread, fp32 B=1 D=128 N=2048, the backward ran 2.6-5.8 % faster with one pass than
-    // with V512's two passes of 64 (the two score products 8 % faster), the same within noise on
-    // the AMX Xeon; the forward gained 1.5 % on the Zen 4 and lost 2-3 % on the Xeon at 16 threads,
-    // so it keeps DC (bench/RESULTS.md, session 27).
+    // Zen 4, 1 thread, fp32 B=1 D=128 N=2048, the backward ran 0-6 % faster (median ~2 %) with one
+    // pass than with V512's two passes of 64 (the two score products ~8 % faster by phase timers),
+    // the same within noise on the AMX Xeon; the forward gained 1.5 % on the Zen 4 and lost 2-3 %
+    // on the Xeon at 16 threads, so it keeps DC (bench/RESULTS.md, session 27).
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t D, int64_t Dv, float* s, float* dp) {
         G::template qk_nv<kMaxHeadDim>(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
         G::template qk_nv<kMaxHeadDim>(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
@@ -427,8 +427,7 @@ struct BackwardLoop {
         const Params& p = bp.f;
         const int64_t D = p.d, Dq = P::dq_features(D), group = p.hq / p.hk, nqi = it.i1 - it.i0;
         // RC rows at a time through row-major rows (the panels read RC = 16 rows = one line at a
-        // time); the RC rows lie in one row block, so (row r0 + r, feature d) is src[d * RB + r]
-        // (indexing by `panel` per element cost 10-11 % of the AMX backward: session 27).
+        // time); the RC rows lie in one row block, so (row r0 + r, feature d) is src[d * RB + r].
         constexpr int64_t RC = RB % 16 == 0 ? 16 : RB;
         static_assert(RB % RC == 0, "chunks of RC rows stay in one row block");
         float buf[RC * kMaxHeadDim];
