@@ -166,9 +166,12 @@ struct Bf16Products {
         pack_row_pairs(x.dorp, x.ldo, r, dO, Dv);
     }
     // Half (r & 1) of pair (r / 2, j) of a [GR/2][ld] row-pair panel: row r's feature j.
+    // (The row rounded by V512::store_row first: vectorised, the bits of f32_to_bf16.)
     static void pack_row_pairs(uint32_t* panel_pairs, int64_t ld, int64_t r, const float* row, int64_t n) {
         uint16_t* h = reinterpret_cast<uint16_t*>(panel_pairs + (r / 2) * ld) + (r & 1);
-        for (int64_t j = 0; j < ld; ++j) h[2 * j] = row && j < n ? f32_to_bf16(row[j]) : 0;
+        alignas(64) uint16_t b[kMaxHeadDim];
+        if (row) V512::store_row(b, 0, 1, row, n, DType::bf16);
+        for (int64_t j = 0; j < ld; ++j) h[2 * j] = row && j < n ? b[j] : 0;
     }
 
     static void finish_rows(Bufs&, int64_t, int64_t, int64_t) {}  // pack_row did all
