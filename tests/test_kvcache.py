@@ -169,6 +169,38 @@ def test_num_splits_equal(isa, rng, dtype, block_size):
         check_same(res[s][1], res[1][1], "float32", ulps=4, what=f"lse num_splits={s}")
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5, 8, 13, 16, 17, 33])
+def test_split_merge_tree(isa, rng, splits):
+    """Split-KV partials joined by the merge tree (driver.cpp): every tree shape (a missing right
+    child at some level), rows that see no key in some splits (a causal 150-row chunk: the last
+    splits' keys are invisible to its first rows), a NaN row, sinks (one -inf); against the
+    reference, and the same bits for 1, 2 and 3 threads (which thread joins a node must not
+    matter)."""
+    cases = [  # (Nq, Hq, Hk, options): decode with GQA and sinks; a causal chunk with a window
+        (1, 8, 2, dict(sinks=np.array([0.5, -1.0, -np.inf, 2.0, 0.0, 1.5, -3.0, 4.0], np.float32))),
+        (150, 2, 2, dict(causal=True, window=(1700, 0))),
+    ]
+    for nq, hq, hk, opts in cases:
+        kc, vc, _ = make_cache(rng, 2, 2200, hk, 64, 48, "float32")
+        lens = np.array([2200 - nq, 1400 - nq], np.int32)
+        q = rand(rng, (2, nq, hq, 64))
+        q[1, nq // 2, hq - 1, 7] = np.nan
+        r_out, r_lse = ref.kvcache_ref(np.nan_to_num(q), kc, vc, cache_seqlens=lens, **opts)
+        got = {}
+        for threads in (1, 2, 3):
+            got[threads] = fa2cpu.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits,
+                                                               num_threads=threads, return_lse=True, **opts)
+        out, lse = got[1]
+        assert np.isnan(out[1, nq // 2, hq - 1]).all() and np.isnan(lse[1, hq - 1, nq // 2])
+        good = np.ones(out.shape[:3], bool)
+        good[1, nq // 2, hq - 1] = False
+        check_close(out[good], r_out[good], "float32")
+        check_close(lse.transpose(0, 2, 1)[good], r_lse.transpose(0, 2, 1)[good], "float32", "lse")
+        for threads in (2, 3):
+            assert_bytes_equal(got[threads][0], out, f"out, {threads} threads vs 1")
+            assert_bytes_equal(got[threads][1], lse, f"lse, {threads} threads vs 1")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_decode_gqa(isa, rng, dtype):
     B, cap, Hq, Hk, D = 2, 4112, 8, 2, 128

@@ -21,15 +21,16 @@ struct XEv { unsigned long long t0, t1; int tid; int item; };
 XEv g_xev[1 << 16]; std::atomic<int> g_xn{0}; std::atomic<int> g_xtid{0};
 thread_local int t_xtid = -1;
 unsigned long long g_xcall0 = 0, g_xcall1 = 0;
+// Records the item (its split's share of the merge tree included) when the function returns.
+struct XItem {
+    unsigned long long t0; int item;
+    ~XItem() { int k = g_xn.fetch_add(1); if (k < (1 << 16)) g_xev[k] = XEv{t0, __rdtsc(), t_xtid, item}; }
+};
 namespace {
 void run_item_on_thread(int64_t i, void* c) {
-    unsigned long long _t0 = __rdtsc();
     if (t_xtid < 0) t_xtid = g_xtid.fetch_add(1);
+    XItem _xitem{__rdtsc(), int(i)};
     RunCtx& x = *static_cast<RunCtx*>(c);''')
-s = sub(s, '''        merge_group(*x.p, x.plan->merges[size_t(g)], x.parts);
-}''', '''        merge_group(*x.p, x.plan->merges[size_t(g)], x.parts);
-    int k = g_xn.fetch_add(1); if (k < (1 << 16)) g_xev[k] = XEv{_t0, __rdtsc(), t_xtid, int(i)};
-}''')
 s = sub(s, '''    parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
     tls_shared.mem.trim();''', '''    g_xn.store(0); g_xcall0 = __rdtsc();
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);

@@ -248,46 +248,73 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
     return plan;
 }
 
-// LSE-weighted merge of a group's split partials into the final output rows.
-void merge_group(const Params& p, const MergeGroup& mg, Partials parts) {
+// Split-KV merge: a binary tree over each group's splits, joined by the threads that finish them.
+// Node (l, k) of level l >= 1 joins nodes (l-1, 2k) and (l-1, 2k+1) of the level below (level
+// 0: the splits; a missing right child passes the left one up); its result, rows normalised
+// over its keys plus their log2-sum-exp, lives in the partial rows of its first split, k * 2^l.
+// Each node counts its children down; the thread that completes a node's last child joins the
+// node and climbs on, so the joins run in parallel on the threads that finish splits, with no
+// waiting and no second parallel region, and the root's join writes the output rows (with the
+// sink). Which thread joins a node never changes what it computes: the same bits for one plan.
+// Why a tree: the thread that ran a group's last split used to merge all of it alone, reading
+// every split's partial rows from the cores that wrote them: at 16 threads a 16-split decode
+// spent as long in that merge as in its splits (bench/RESULTS.md, issue 9).
+int64_t level_nodes(int64_t splits, int l) { return ((splits - 1) >> l) + 1; }  // ceil(splits / 2^l)
+
+// Weights of two normalised partial rows with log2-sum-exps la, lb in their union:
+// o = fa * o_a + fb * o_b, log2-sum-exp lse. A NaN in makes NaN out (`x > m` alone would drop it);
+// no keys on either side (both -inf): o = 0, lse = -inf.
+struct JoinWeights {
+    float fa, fb, lse;
+};
+JoinWeights join_weights(float la, float lb) {
+    if (std::isnan(la) || std::isnan(lb)) return {NAN, NAN, NAN};
+    const float m = std::max(la, lb);
+    if (m == -INFINITY) return {0.f, 0.f, -INFINITY};
+    // exp2(x - m), exactly 1 at the maximum (also when it is +inf)
+    const float wa = la == m ? 1.f : std::exp2(la - m), wb = lb == m ? 1.f : std::exp2(lb - m);
+    const float t = wa + wb;
+    return {wa / t, wb / t, m + std::log2(t)};
+}
+
+// dst[j] = fa * a[j] + fb * b[j] (b: nullptr for none); an operand of weight 0 is not read, so
+// the rows of a split that saw no key never matter.
+void join_row(float* dst, const float* a, float fa, const float* b, float fb, int64_t n) {
+    if (fb == 0.f || !b) {
+        for (int64_t j = 0; j < n; ++j) dst[j] = fa == 0.f ? 0.f : fa * a[j];
+    } else if (fa == 0.f) {
+        for (int64_t j = 0; j < n; ++j) dst[j] = fb * b[j];
+    } else {
+        for (int64_t j = 0; j < n; ++j) dst[j] = fa * a[j] + fb * b[j];
+    }
+}
+
+// Join the results held by splits `left` and `right` (-1: none) of a group: into left's partial
+// rows, or, at the root, into the output rows with the sink (one more logit with no value).
+void join_node(const Params& p, const MergeGroup& mg, Partials parts, int64_t left, int64_t right, bool root) {
     const WorkItem& it = mg.base;
     const int64_t G = p.hq / p.hk, Dv = p.dv, nqi = it.i1 - it.i0, rows = (it.g1 - it.g0) * nqi;
-    const DType dt = DType(p.dtype);
     FA2CPU_CHECK(Dv <= kMaxHeadDim);  // check_params
-    float acc[kMaxHeadDim];
+    const int64_t a0 = mg.part0 + left * rows, b0 = right >= 0 ? mg.part0 + right * rows : -1;
+    alignas(64) float buf[kMaxHeadDim];
     for (int64_t r = 0; r < rows; ++r) {
+        const float* a = parts.o + (a0 + r) * Dv;
+        const float* b = b0 >= 0 ? parts.o + (b0 + r) * Dv : nullptr;
+        JoinWeights w = b ? join_weights(parts.lse[a0 + r], parts.lse[b0 + r]) : JoinWeights{1.f, 0.f, parts.lse[a0 + r]};
+        if (!root) {
+            join_row(parts.o + (a0 + r) * Dv, a, w.fa, b, w.fb, Dv);
+            parts.lse[a0 + r] = w.lse;
+            continue;
+        }
         const int64_t h = it.kv_head * G + it.g0 + r / nqi, i = it.i0 + r % nqi;
-        // The sink (if any) joins as one more partial with no output; its -inf means none.
-        const float sink = p.sinks ? p.sinks[h] * kLog2e : -INFINITY;
-        // A NaN partial (the row's inputs hold a NaN) makes the row NaN: `x > mx` alone would skip
-        // it and return 0 / -inf.
-        float mx = sink;
-        bool nan = std::isnan(sink);
-        for (int64_t s = 0; s < mg.splits; ++s) {
-            const float x = parts.lse[mg.part0 + s * rows + r];
-            if (x > mx) mx = x;
-            nan |= std::isnan(x);
+        if (p.sinks) {  // the sink's -inf (none) leaves the row as it is
+            const JoinWeights s = join_weights(w.lse, p.sinks[h] * kLog2e);
+            w = {w.fa * s.fa, w.fb * s.fa, s.lse};
         }
-        if (nan) mx = NAN;
-        for (int64_t j = 0; j < Dv; ++j) acc[j] = nan ? NAN : 0.f;
-        float total = nan ? NAN : 0.f;
-        // exp2(x - mx), exactly 1 at the maximum (also when it is +inf)
-        auto weight = [mx](float x) { return x == mx ? 1.f : std::exp2(x - mx); };
-        if (mx != -INFINITY && !nan) {
-            for (int64_t s = 0; s < mg.splits; ++s) {
-                const float w = weight(parts.lse[mg.part0 + s * rows + r]);
-                if (w == 0.f) continue;  // a split that saw no key (or underflowed)
-                const float* po = parts.o + (mg.part0 + s * rows + r) * Dv;
-                for (int64_t j = 0; j < Dv; ++j) acc[j] += w * po[j];
-                total += w;
-            }
-            if (sink != -INFINITY) total += weight(sink);
-        }
-        const float inv = total == 0.f ? 0.f : 1.f / total;
-        const float lse2 = total == 0.f ? -INFINITY : mx + std::log2(total);
+        join_row(buf, a, w.fa, b, w.fb, Dv);
         const int64_t out_at = q_row_offset(p, it.b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
-        for (int64_t j = 0; j < Dv; ++j) store_scalar(p.out, out_at + j * p.out_dim_stride, acc[j] * inv, dt);
-        if (p.lse) p.lse[q_row_offset(p, it.b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride] = lse2 * kLn2;
+        store_row(p.out, out_at, p.out_dim_stride, buf, Dv, DType(p.dtype));
+        if (p.lse) p.lse[q_row_offset(p, it.b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride] = w.lse * kLn2;
     }
 }
 
@@ -303,11 +330,10 @@ struct RunCtx {
     SharedTiles* shared;
     int64_t scratch_floats;
     std::atomic<int> failed{0};
-    // Per merge group: its splits not yet run. The thread that runs a group's last split merges
-    // the group right away, in the items' parallel region: a second region for the merges cost
-    // one more fork / join per call, which at 16 threads is a visible part of a decode step.
-    // (Same merge, same order: the result does not depend on which thread merges.)
-    std::unique_ptr<std::atomic<int64_t>[]> pending;
+    // The merge trees' nodes (levels >= 1), per group from node_base[g], level by level: each
+    // counts its children not yet complete.
+    std::unique_ptr<std::atomic<int>[]> nodes;
+    std::vector<int64_t> node_base;
 };
 
 // Floats of the calling thread reused by its next call, freed after a call that needed more
@@ -352,8 +378,23 @@ void run_item_on_thread(int64_t i, void* c) {
     x.T->routes[it.route].run_item(*x.p, it, ItemContext{scratch, x.parts, x.shared});
     const int64_t g = x.plan->group[size_t(i)];
     // acq_rel: the merging thread sees every split's partial rows.
-    if (g >= 0 && x.pending[size_t(g)].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge_group(*x.p, x.plan->merges[size_t(g)], x.parts);
+    if (g < 0) return;
+    // Climb the group's merge tree from this split while this thread completes nodes. acq_rel:
+    // the thread that completes a node sees both children's partial rows.
+    const MergeGroup& mg = x.plan->merges[size_t(g)];
+    const int64_t s = (it.part - mg.part0) / ((mg.base.g1 - mg.base.g0) * (mg.base.i1 - mg.base.i0));
+    std::atomic<int>* level = x.nodes.get() + x.node_base[size_t(g)];
+    for (int l = 1;; ++l) {
+        const int64_t n = level_nodes(mg.splits, l), k = s >> l;
+        if (level[k].fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // the other child is running
+        const int64_t left = k << l, right = left + (int64_t(1) << (l - 1));
+        if (n == 1) {
+            join_node(*x.p, mg, x.parts, left, right < mg.splits ? right : -1, true);
+            return;
+        }
+        if (right < mg.splits) join_node(*x.p, mg, x.parts, left, right, false);
+        level += n;
+    }
 }
 
 }  // namespace
@@ -395,8 +436,21 @@ int forward(const Params& p) {
     for (int r = 0; r < T.num_routes; ++r)
         if (plan.route_rows[r] > 0)
             ctx.scratch_floats = std::max(ctx.scratch_floats, T.routes[r].scratch_floats(p, plan.route_rows[r]));
-    ctx.pending.reset(new std::atomic<int64_t>[plan.merges.size()]);
-    for (size_t g = 0; g < plan.merges.size(); ++g) ctx.pending[g].store(plan.merges[g].splits, std::memory_order_relaxed);
+    int64_t nodes = 0;
+    for (const MergeGroup& mg : plan.merges) {
+        ctx.node_base.push_back(nodes);
+        for (int l = 1; level_nodes(mg.splits, l - 1) > 1; ++l) nodes += level_nodes(mg.splits, l);
+    }
+    ctx.nodes.reset(new std::atomic<int>[size_t(nodes)]);
+    for (size_t g = 0; g < plan.merges.size(); ++g) {
+        std::atomic<int>* level = ctx.nodes.get() + ctx.node_base[g];
+        const int64_t splits = plan.merges[g].splits;
+        for (int l = 1; level_nodes(splits, l - 1) > 1; ++l) {
+            const int64_t below = level_nodes(splits, l - 1), n = level_nodes(splits, l);
+            for (int64_t k = 0; k < n; ++k) level[k].store(int(std::min<int64_t>(2, below - 2 * k)), std::memory_order_relaxed);
+            level += n;
+        }
+    }
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
     tls_shared.mem.trim();
     tls_partials.trim();
