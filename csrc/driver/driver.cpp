@@ -72,13 +72,16 @@ namespace {
 // items cannot give every thread kMinItemsPerThread items, and never into pieces shorter than
 // kMinKeysPerSplit keys (a split costs a partial write + merge of its rows and an item's start).
 // Items that span several kv heads (decode of an interleaved cache) read kv_heads times the bytes
-// per key: their minimum is kMinSplitBytes of K/V instead, when that is fewer keys (256 KB is one
-// bf16 kv head's 512 keys at D = 128). Without it, B=1 with 4 kv heads of 2048 keys (one item for
+// per key: their minimum is kMinSplitBytes of K/V instead, when that is fewer keys (128 KB is one
+// bf16 kv head's 256 keys at D = 128). Without it, B=1 with 4 kv heads of 2048 keys (one item for
 // all heads) got 4 items on 16 threads and ran at the speed of 4 cores (bench/RESULTS.md, issue
-// 9). Single-head items keep the key minimum: only the multi-head case was measured to gain.
+// 9). 128 KB rather than 256: with the merge tree, 32 splits of that decode beat 16 by 1.21x at 16
+// threads on the AMX machine (hot; in the model within its spread). (Only such items' pieces
+// halve: 2048 keys keep 16 splits on 8 threads.) Single-head items keep the key minimum: only
+// the multi-head case was measured to gain.
 constexpr int64_t kMinItemsPerThread = 2;
 constexpr int64_t kMinKeysPerSplit = 512;
-constexpr int64_t kMinSplitBytes = int64_t(256) << 10;
+constexpr int64_t kMinSplitBytes = int64_t(128) << 10;
 // Split boundaries fall on multiples of kSplitKeys keys, or of the route's K/V tile when the call
 // shares tiles (a slot holds one whole natural tile). Not the tile always: the decode route's
 // 256-key tiles let 2048 keys of an interleaved 4-head cache (16 items wanted by the byte rule)
