@@ -54,23 +54,7 @@
 namespace fa2cpu {
 namespace {
 
-// A 16 x 16 block copied transposed, dst[i * ldd + j] = src[j * lds + i]: V::transpose16 when
-// the family has one (V512: in registers), else element by element (bench/RESULTS.md, session 27:
-// dq's element-loop copy cost ~1000-1400 cycles per row on the AMX Xeon, 9-11 % of its bf16
-// backward; with the transposes that phase still reads 8 % there, so it waits on more than them).
-template <class V, class = void>
-struct HasTranspose16 : std::false_type {};
-template <class V>
-struct HasTranspose16<V, std::void_t<decltype(&V::transpose16)>> : std::true_type {};
-template <class V>
-inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
-    if constexpr (HasTranspose16<V>::value) {
-        V::transpose16(src, lds, dst, ldd);
-    } else {
-        for (int i = 0; i < 16; ++i)
-            for (int j = 0; j < 16; ++j) dst[i * ldd + j] = src[j * lds + i];
-    }
-}
+// transpose16<V> (policy.h): the panel <-> row copies below.
 
 // Scratch handed out in 64-byte steps from base (with base == nullptr: only counted, in `used`).
 struct Carver {

@@ -41,6 +41,16 @@ struct F32Gemm : TransposedO<V> {
     static void zero_q_row(float* qbuf, int64_t M, int64_t r, int64_t D) {
         for (int64_t d = 0; d < D; ++d) qbuf[d * M + r] = 0.f;
     }
+    // Rows r0..r0+15 at once (policy.h): scaled (padding rows zeroed) in `rows`, then moved into
+    // qbuf by 16 x 16 transposes: the values pack_q_row / zero_q_row write.
+    static void pack_q_rows(float* qbuf, int64_t M, int64_t r0, float* rows, int64_t D, float qscale, int nreal) {
+        for (int i = 0; i < 16; ++i)
+            for (int64_t d = 0; d < D; ++d) rows[i * D + d] = i < nreal ? rows[i * D + d] * qscale : 0.f;
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) transpose16<V>(rows + d, D, qbuf + d * M + r0, M);
+        for (; d < D; ++d)
+            for (int i = 0; i < 16; ++i) qbuf[d * M + r0 + i] = rows[i * D + d];
+    }
     // K/V tile of nc rows from key position c0: read in place when float32 with unit feature
     // stride and not paged, else packed row-major (strides, paging, dtype conversion end here).
     static bool packs_k(const Params& p) { return !(DType(p.dtype) == DType::f32 && p.k_dim_stride == 1 && !p.block_table); }

@@ -12,7 +12,13 @@
 //            packs_k / packs_v(p): whether whole tiles are packed (then they can be shared)
 //   products qk(ops, rows, k_tile, keys, s): S block of `rows`;  pv(ops, rows, s, keys, v_tile): O += P V
 //   O        o_elem(o, M, Dv, r, j), rescale_o(o, M, Dv, r, alpha) (TransposedO below for most)
+//   optional, used when kRowAlign % 16 == 0 (rows then come in whole blocks of 16):
+//            pack_q_rows(q, M, r0, rows, D, scale, nreal): rows r0..r0+15 at once from
+//            rows[i * D + d] (i < nreal real, the rest padding), the values of pack_q_row /
+//            zero_q_row; gather_o_rows(o, M, Dv, r0, dst): rows r0..r0+15 of O into dst[i * Dv + j]
 #pragma once
+#include <type_traits>
+
 #include "kernel.h"
 
 namespace fa2cpu {
@@ -46,11 +52,37 @@ struct RowBlock {
     int vectors, rows;
     const int32_t* kv_head;
 };
+// A 16 x 16 block copied transposed, dst[i * ldd + j] = src[j * lds + i]: V::transpose16 when
+// the family has one (V512: in registers), else element by element. Used where a "rows in lanes"
+// layout meets row-major rows: the forward's Q packing and output rows (below, gemm_f32.h), the
+// backward's panels (backward_loop.h). bench/RESULTS.md, sessions 27-28: element-by-element
+// copies cost 9-11 % of the AMX bf16 backward and 2.6 % / 4.3 % of the Zen 4 fp32 forward
+// (full / causal).
+template <class V, class = void>
+struct HasTranspose16 : std::false_type {};
+template <class V>
+struct HasTranspose16<V, std::void_t<decltype(&V::transpose16)>> : std::true_type {};
+template <class V>
+inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    if constexpr (HasTranspose16<V>::value) {
+        V::transpose16(src, lds, dst, ldd);
+    } else {
+        for (int i = 0; i < 16; ++i)
+            for (int j = 0; j < 16; ++j) dst[i * ldd + j] = src[j * lds + i];
+    }
+}
+
 // The O accumulator of the "rows in lanes" policies: O^T [Dv][M], row r's column j at o[j*M + r].
 template <class V>
 struct TransposedO {
     static int64_t o_floats(int64_t Dv, int64_t M) { return Dv * M; }
     static float o_elem(const float* o, int64_t M, int64_t, int64_t r, int64_t j) { return o[j * M + r]; }
+    static void gather_o_rows(const float* o, int64_t M, int64_t Dv, int64_t r0, float* dst) {
+        int64_t j = 0;
+        for (; j + 16 <= Dv; j += 16) transpose16<V>(o + j * M + r0, M, dst + j, Dv);
+        for (; j < Dv; ++j)
+            for (int i = 0; i < 16; ++i) dst[i * Dv + j] = o[j * M + r0 + i];
+    }
     static void rescale_o(float* o, int64_t M, int64_t Dv, int64_t r, typename V::vec alpha) {
         for (int64_t j = 0; j < Dv; ++j) V::store(o + j * M + r, V::mul(V::load(o + j * M + r), alpha));
     }
