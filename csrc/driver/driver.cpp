@@ -280,11 +280,13 @@ JoinWeights join_weights(float la, float lb) {
     return {wa / t, wb / t, m + std::log2(t)};
 }
 
-// dst[j] = fa * a[j] + fb * b[j] (b: nullptr for none); an operand of weight 0 is not read, so
-// the rows of a split that saw no key never matter.
+// dst[j] = fa * a[j] + fb * b[j]; an operand of weight 0 is not read, so the rows of a split that
+// saw no key never matter.
 void join_row(float* dst, const float* a, float fa, const float* b, float fb, int64_t n) {
-    if (fb == 0.f || !b) {
-        for (int64_t j = 0; j < n; ++j) dst[j] = fa == 0.f ? 0.f : fa * a[j];
+    if (fa == 0.f && fb == 0.f) {
+        for (int64_t j = 0; j < n; ++j) dst[j] = 0.f;
+    } else if (fb == 0.f) {
+        for (int64_t j = 0; j < n; ++j) dst[j] = fa * a[j];
     } else if (fa == 0.f) {
         for (int64_t j = 0; j < n; ++j) dst[j] = fb * b[j];
     } else {
@@ -292,18 +294,21 @@ void join_row(float* dst, const float* a, float fa, const float* b, float fb, in
     }
 }
 
-// Join the results held by splits `left` and `right` (-1: none) of a group: into left's partial
-// rows, or, at the root, into the output rows with the sink (one more logit with no value).
+// Rows of a merge group (of each of its splits' partials).
+int64_t group_rows(const MergeGroup& mg) { return (mg.base.g1 - mg.base.g0) * (mg.base.i1 - mg.base.i0); }
+
+// Join the results held by splits `left` and `right` of a group: into left's partial rows, or, at
+// the root, into the output rows with the sink (one more logit with no value).
 void join_node(const Params& p, const MergeGroup& mg, Partials parts, int64_t left, int64_t right, bool root) {
     const WorkItem& it = mg.base;
-    const int64_t G = p.hq / p.hk, Dv = p.dv, nqi = it.i1 - it.i0, rows = (it.g1 - it.g0) * nqi;
+    const int64_t G = p.hq / p.hk, Dv = p.dv, nqi = it.i1 - it.i0, rows = group_rows(mg);
     FA2CPU_CHECK(Dv <= kMaxHeadDim);  // check_params
-    const int64_t a0 = mg.part0 + left * rows, b0 = right >= 0 ? mg.part0 + right * rows : -1;
+    const int64_t a0 = mg.part0 + left * rows, b0 = mg.part0 + right * rows;
     alignas(64) float buf[kMaxHeadDim];
     for (int64_t r = 0; r < rows; ++r) {
         const float* a = parts.o + (a0 + r) * Dv;
-        const float* b = b0 >= 0 ? parts.o + (b0 + r) * Dv : nullptr;
-        JoinWeights w = b ? join_weights(parts.lse[a0 + r], parts.lse[b0 + r]) : JoinWeights{1.f, 0.f, parts.lse[a0 + r]};
+        const float* b = parts.o + (b0 + r) * Dv;
+        JoinWeights w = join_weights(parts.lse[a0 + r], parts.lse[b0 + r]);
         if (!root) {
             join_row(parts.o + (a0 + r) * Dv, a, w.fa, b, w.fb, Dv);
             parts.lse[a0 + r] = w.lse;
@@ -380,22 +385,21 @@ void run_item_on_thread(int64_t i, void* c) {
     const WorkItem& it = x.plan->items[size_t(i)];
     x.T->routes[it.route].run_item(*x.p, it, ItemContext{scratch, x.parts, x.shared});
     const int64_t g = x.plan->group[size_t(i)];
-    // acq_rel: the merging thread sees every split's partial rows.
     if (g < 0) return;
     // Climb the group's merge tree from this split while this thread completes nodes. acq_rel:
     // the thread that completes a node sees both children's partial rows.
     const MergeGroup& mg = x.plan->merges[size_t(g)];
-    const int64_t s = (it.part - mg.part0) / ((mg.base.g1 - mg.base.g0) * (mg.base.i1 - mg.base.i0));
+    const int64_t s = (it.part - mg.part0) / group_rows(mg);
     std::atomic<int>* level = x.nodes.get() + x.node_base[size_t(g)];
     for (int l = 1;; ++l) {
         const int64_t n = level_nodes(mg.splits, l), k = s >> l;
         if (level[k].fetch_sub(1, std::memory_order_acq_rel) != 1) return;  // the other child is running
         const int64_t left = k << l, right = left + (int64_t(1) << (l - 1));
-        if (n == 1) {
-            join_node(*x.p, mg, x.parts, left, right < mg.splits ? right : -1, true);
+        if (n == 1) {  // the root: the level below had two nodes or more, so both children exist
+            join_node(*x.p, mg, x.parts, left, right, true);
             return;
         }
-        if (right < mg.splits) join_node(*x.p, mg, x.parts, left, right, false);
+        if (right < mg.splits) join_node(*x.p, mg, x.parts, left, right, false);  // else: passed up
         level += n;
     }
 }
