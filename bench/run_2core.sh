@@ -9,8 +9,10 @@ OUT=${1:?usage: $0 OUTDIR, named for the machine (e.g. bench/results/zen5_2core)
 mkdir -p "$OUT"
 describe_machine | tee "$OUT/machine.txt"
 
-# 'auto' is the best usable family (avx512bf16 where the CPU has it), then the older ones.
-ISAS="auto avx512 avx2"
+# 'auto' is the best usable family (avx512bf16 where the CPU has it), then the older ones this CPU
+# can run (an AVX2-only CPU such as a Zen 3 has neither avx512 nor avx512bf16: fa2cpu-bench refuses
+# a family the CPU cannot run, so those are left out rather than failing every step).
+ISAS="auto $($PY -c "import fa2cpu; u = fa2cpu.available_isas(); print(' '.join(f for f in ('avx512', 'avx2') if f in u))")"
 PREFILL="--mode prefill --batch 1 --heads 32 --seqlen 2048 4096 --dtype fp32 bf16 --threads 2"
 
 run_bench prefill_d128 $PREFILL --head-dim 128 --isa $ISAS --baselines torch --plot "$OUT/prefill_d128.png"

@@ -85,8 +85,12 @@ def test_paged_equals_contiguous(isa, rng, dtype):
     lens = np.array([100, 253], np.int32)
     a = check_kv(q, kc, vc, kn, vn, dtype, cache_seqlens=lens, causal=True)
     b = check_kv(q, kp, vp, kn, vn, dtype, cache_seqlens=lens, block_table=table, causal=True)
-    check_same(a[0], b[0], dtype, what="out paged vs contiguous")
-    check_same(a[1], b[1], "float32", what="lse paged vs contiguous")
+    # The decode routes end paged tiles at block boundaries (kTilesEndAtBlocks: K/V read in place),
+    # so the running max moves at other keys than in the contiguous cache's 256-key tiles: rounding
+    # of the same order as a different thread count (test_threads.py), not bit equality. Measured
+    # on the avx2 route (200 seeds, block sizes 16/32/64): at most 6.2 ulps (check_same's measure).
+    check_same(a[0], b[0], dtype, ulps=8, what="out paged vs contiguous")
+    check_same(a[1], b[1], "float32", ulps=8, what="lse paged vs contiguous")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,10 +1,12 @@
-// Family "avx2": AVX2 + FMA (+F16C), float32 micro-kernels with 8 rows per vector.
+// Family "avx2": AVX2 + FMA (+F16C), float32 micro-kernels with 8 rows per vector. Routes: the
+// AVX2 decode route (<= 16 rows per kv head, gemm_decode_avx2.h), then the float32 tile loop.
 // Built with -mavx2 -mfma -mf16c (setup.py, per file).
 //
 // Register blocking (tile_loop.h): RV x NK = 2 x 6 = 12 ymm accumulators, 2 row loads and one
 // broadcast register: 15 of the 16 ymm registers.
 #include <immintrin.h>
 
+#include "common/gemm_decode_avx2.h"
 #include "common/gemm_f32.h"
 #include "common/probe.h"
 #include "common/routes.h"
@@ -74,7 +76,8 @@ double peak(int, double seconds) { return fma_peak_gflops<V256>(seconds); }
 
 }  // namespace
 
-extern const KernelTable kTable_avx2 = make_table(&peak, BackwardRoute<BackwardLoop<V256>>(),
-                                                  TileRoute<TileLoop<V256, F32Gemm<V256>>>::route("f32"));
+extern const KernelTable kTable_avx2 =
+    make_table(&peak, BackwardRoute<BackwardLoop<V256>>(), Avx2DecodeRoute<V256>::route("decode"),
+               TileRoute<TileLoop<V256, F32Gemm<V256>>>::route("f32"));
 
 }  // namespace fa2cpu

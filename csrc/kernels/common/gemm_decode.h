@@ -1,14 +1,8 @@
-// Decode GEMM policy (AVX-512): items of at most 16 query rows (decode, the GQA group of one new
-// token, short chunks). There a 16-row vector would be mostly padding, so this policy puts the
-// FEATURE axis in lanes instead: each K/V row is streamed once with full-width loads (converted to
-// float32 in registers, whatever its dtype, so K/V are read in place unless paged or strided) and
-// reused by every query row of the item (the whole GQA group) from registers. Decode is
-// memory-bound; this keeps the instruction count per byte read low:
+// Decode GEMM policy (AVX-512): decode_operands.h's layouts and loops (feature axis in lanes, K/V
+// read in place and converted to float32 in registers, items spanning kv heads) with 16-float
+// vectors. Decode is memory-bound; this keeps the instruction count per byte read low:
 //   QK: acc[4 keys][4 rows] += K[key][16 d] * Q[row][16 d], reduced to one score each at the end
 //   PV: O[row][64 dv] += P[row][key] (broadcast) * V[key][64 dv]        (4 rows x 4 vectors)
-// Layouts: q [M][Dp] float32 pre-scaled (Dp = D rounded up to 16, zero padded); O row-major
-// [M][Dvp]; s [BC][RB] as in tile_loop.h (lanes past the item's rows are never read back).
-//
 // The decode route (kernels/common/routes.h) runs it for sequences with at most kRowsPerHead rows
 // per kv head; where the cache interleaves heads within a position ((B, N, H, D) layouts, paged
 // or not) its items span up to kMaxRows / rows kv heads, whose K/V rows for a key are then one
@@ -19,6 +13,7 @@
 #include <type_traits>
 
 #include "kernel.h"
+#include "decode_operands.h"
 #include "policy.h"
 #include "routes.h"
 #include "tile_loop.h"
@@ -77,119 +72,24 @@ struct F8Elem {
 };
 
 template <class E>
-struct DecodeGemm {
-    using T = typename E::T;
-    static constexpr int W = 16, RV = 4, RB = 64;
-    static constexpr int64_t BC = 256;       // keys per tile: long streams, 64 KiB score block
-    static constexpr int64_t kRowsPerHead = 16;  // sequences with more rows per kv head use the tile policies
-    static constexpr int64_t kMaxRows = 64;      // rows of an item spanning kv heads (4 row vectors)
+struct DecodeGemm : DecodeOperands<E, 4> {
+    using B = DecodeOperands<E, 4>;
+    using typename B::T;
+    using typename B::Scales;
+    using B::RG;
+    using B::KBLK;
+    using B::dp;
+    using B::key_rows;
+    using B::head_offsets;
+    static constexpr int W = 16, RV = 4, RB = 64;  // 4 row vectors: kMaxRows rows
     static constexpr int64_t kRowAlign = 16;
-    static constexpr ScaleAt kScaleAt = ScaleAt::packed_q;
-    static constexpr PStore kPStore = PStore::f32_in_scores;
-    static constexpr bool kTilesEndAtBlocks = true;  // paged K/V read in place
-    static constexpr bool kReadsCodes = E::kCodes;   // quantized K/V read in place too (tile_loop.h)
-    static constexpr int KB = 4, RG = 4;     // QK block: 4 keys x 4 rows = 16 accumulators
-    static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
-    // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
-    // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used,
-    // into L2 (prefetcht1), not L1: 32 keys of an item spanning 8 kv heads are 128 KB of float32
-    // rows, which a 32 KB L1 (Zen 4) cannot hold beside the current block. Measured on the 2-core
-    // Zen 4 (B=16 Hq=32 Hk=8 Nk=8192 D=128, bench/kv_quant.py, 1 thread): prefetcht0 ran the
-    // float32 cache in 102-135 ms and bf16 in 45-52, prefetcht1 in 49-62 / 28-36, no prefetch
-    // 68-76 / 59-70; on the AMX Xeon (16 threads) prefetcht1 read as fast as prefetcht0
-    // (bench/RESULTS.md "Prefetch hints and distances at 16 threads").
-    static constexpr int64_t kPrefetchKeys = sizeof(T) == 1 ? 64 : 32;
+    static constexpr int KB = 4;             // QK block: 4 keys x 4 rows = 16 accumulators
 
-    // Per-key factors of a quantized cache for the RG rows of a group: row j's scales at
-    // row[j][c*ld] (nullptr: 1), times E::kUnit.
-    struct Scales {
-        const float* const* row;
-        int64_t ld;
-        float factor(int j, int64_t c) const { return (row[j] ? row[j][c * ld] : 1.f) * E::kUnit; }
-    };
-
-    // Rows [r, r + RG) of a row block: each row's kv-head offset into tile t, and their scales.
-    static Scales group(const int32_t* kv_head, int r, const KvTile& t, int64_t* off, const float** sc) {
-        head_offsets(kv_head, r, t, off);
-        for (int j = 0; j < RG; ++j) sc[j] = t.scale ? t.scale + kv_head[r + j] * t.scale_head_stride : nullptr;
-        return Scales{sc, t.scale_ld};
-    }
-    static void head_offsets(const int32_t* kv_head, int r, const KvTile& t, int64_t* off) {
-        for (int j = 0; j < RG; ++j) off[j] = kv_head[r + j] * t.head_stride;
-    }
-    // Rows of keys [c, c + KB) of a tile; past the nkb real ones, the last real row again (its
-    // sums are never stored).
-    template <class C>
-    static void key_rows(const C* k, int64_t c, int64_t nkb, int64_t ldk, const C* (&kr)[KB]) {
-        for (int i = 0; i < KB; ++i) kr[i] = k + (c + (i < nkb ? i : nkb - 1)) * ldk;
-    }
     // Scores of keys [c, c + nkb): lane i*RG + j of total to s[(c + i)*RB + j].
     static void store_scores(__m512 total, int64_t c, int64_t nkb, float* s) {
         alignas(64) float sum[KB * RG];
         _mm512_store_ps(sum, total);
         for (int i = 0; i < nkb; ++i) std::memcpy(s + (c + i) * RB, sum + i * RG, RG * sizeof(float));
-    }
-
-    static int64_t dp(int64_t n) { return round_up(n, 16); }
-    static int64_t q_floats(int64_t D, int64_t M) { return M * dp(D); }
-    static int64_t k_floats(int64_t D) { return (BC * dp(D) * int64_t(sizeof(T)) + 3) / 4; }
-    static int64_t v_floats(int64_t Dv) { return (BC * dp(Dv) * int64_t(sizeof(T)) + 3) / 4; }
-
-    static void pack_q_row(float* q, int64_t, int64_t r, const float* row, int64_t D, float qscale) {
-        float* o = q + r * dp(D);
-        for (int64_t d = 0; d < D; ++d) o[d] = row[d] * qscale;
-        for (int64_t d = D; d < dp(D); ++d) o[d] = 0.f;
-    }
-    static void zero_q_row(float* q, int64_t, int64_t r, int64_t D) {
-        for (int64_t d = 0; d < dp(D); ++d) q[r * dp(D) + d] = 0.f;
-    }
-
-    static int64_t o_floats(int64_t Dv, int64_t M) { return M * dp(Dv); }
-    static float o_elem(const float* o, int64_t, int64_t Dv, int64_t r, int64_t j) { return o[r * dp(Dv) + j]; }
-    static void rescale_o(float* o, int64_t, int64_t Dv, int64_t r0, __m512 alpha) {
-        alignas(64) float a[16];
-        _mm512_store_ps(a, alpha);
-        const int64_t n = dp(Dv);
-        for (int l = 0; l < 16; ++l) {
-            if (a[l] == 1.f) continue;
-            const __m512 al = _mm512_set1_ps(a[l]);
-            float* row = o + (r0 + l) * n;
-            for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), al));
-        }
-    }
-
-    // Rows of a K/V tile: in place for unit feature stride (any dtype; a paged tile lies in one
-    // block), else gathered into buf (rows of dp(n) elements, native dtype; then the item holds
-    // one kv head: routes.h spans heads only for unit feature strides).
-    static KvTile tile(const Params& p, const void* base, int64_t batch_stride, int64_t row_stride, int64_t dim_stride,
-                       int64_t head_stride, int64_t n, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
-        const T* src = static_cast<const T*>(base);
-        if (dim_stride == 1)
-            return {src + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, head_stride,
-                    prefetch_delta(p, batch_stride, row_stride, b, c0)};
-        T* out = reinterpret_cast<T*>(buf);
-        const int64_t np = dp(n);
-        for (int64_t c = 0; c < nc; ++c) {
-            const T* r = src + k_row_offset(p, b, c0 + c, batch_stride, row_stride) + head;
-            for (int64_t j = 0; j < n; ++j) out[c * np + j] = r[j * dim_stride];
-        }
-        return {out, np, 0, kPrefetchKeys * np};
-    }
-    // Prefetch distance (elements): kPrefetchKeys rows further on for a contiguous cache; for a
-    // paged one the same row of the sequence's next block (blocks are scattered, out of reach of
-    // hardware prefetchers), 0 at the last block.
-    static int64_t prefetch_delta(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
-        if (!p.block_table) return kPrefetchKeys * row_stride;
-        const int64_t cur = c0 / p.block_size, next = cur + 1;
-        if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
-        const int32_t* row = p.block_table + b * p.block_table_batch_stride;
-        return (int64_t(row[next]) - int64_t(row[cur])) * batch_stride;
-    }
-    static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
-        return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.k_head_stride, p.d, b, c0, nc, head, buf);
-    }
-    static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
-        return tile(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_dim_stride, p.v_head_stride, p.dv, b, c0, nc, head, buf);
     }
 
     // s[c*RB + r] = q_r . k_c for the block's rows, in groups of RG rows (rows past `rows` have
@@ -198,20 +98,12 @@ struct DecodeGemm {
     // together. A group whose rows share a kv head loads each K vector once for all of them.
     static void qk(const ItemOperands& x, const RowBlock& block, const KvTile& kt, int64_t nc, float* s) {
         const T* k = static_cast<const T*>(kt.data);
-        const int64_t D = x.d, Dp = dp(D), ldk = kt.ld, rows = block.rows;
+        const int64_t D = x.d, Dp = dp(D), ldk = kt.ld;
         const float* q = x.q + block.r0 * Dp;
-        const int32_t* kv_head = block.kv_head;
-        for (int64_t cb = 0; cb < nc; cb += KBLK) {
-            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
-            for (int r = 0; r < rows; r += RG) {
-                int64_t off[RG];
-                const float* sc[RG];
-                const Scales ks = group(kv_head, r, kt, off, sc);
-                const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, first_of_head);
-                else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, true);
-            }
-        }
+        B::for_groups(block, kt, nc, [&](int64_t cb, int64_t ce, int r, const int64_t* off, const Scales& ks, bool one, bool pf) {
+            if (one) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, pf);
+            else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, pf);
+        });
     }
     template <bool kOneHead>
     static void qk_group(const float* qr, int64_t Dp, int64_t D, const T* k, int64_t ldk, const int64_t* off,
@@ -342,20 +234,12 @@ struct DecodeGemm {
     // O[r0 + r][:] += sum_c P[r][c] V[c][:], key blocks outer (as in qk), 64 columns at a time.
     static void pv(const ItemOperands& x, const RowBlock& block, float* s, int64_t nc, const KvTile& vt) {
         const T* v = static_cast<const T*>(vt.data);
-        const int64_t Dv = x.dv, n = dp(Dv), ldv = vt.ld, rows = block.rows;
-        const int32_t* kv_head = block.kv_head;
-        for (int64_t cb = 0; cb < nc; cb += KBLK) {
-            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
-            for (int r = 0; r < rows; r += RG) {
-                int64_t off[RG];
-                const float* sc[RG];
-                const Scales vs = group(kv_head, r, vt, off, sc);
-                const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                float* orow = x.o + (block.r0 + r) * n;
-                if (off[0] == off[RG - 1]) pv_group<true>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, first_of_head);
-                else pv_group<false>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, true);
-            }
-        }
+        const int64_t Dv = x.dv, n = dp(Dv), ldv = vt.ld;
+        B::for_groups(block, vt, nc, [&](int64_t cb, int64_t ce, int r, const int64_t* off, const Scales& vs, bool one, bool pf) {
+            float* orow = x.o + (block.r0 + r) * n;
+            if (one) pv_group<true>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, pf);
+            else pv_group<false>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, pf);
+        });
     }
 };
 
