@@ -5,8 +5,9 @@
 //
 //   Route type         serves                                   items
 //   TileRoute<L, S>    S::serves(p, rows per kv head)           L = TileLoop<V, GEMM policy>
-//   DecodeRoute<...>   <= DecodeGemm::kRowsPerHead rows per     TileLoop<V512, DecodeGemm<dtype>>,
-//                      kv head (decode, GQA group of a token)   spanning kv heads where heads interleave
+//   DecodeRoute<...>   <= kRowsPerHead rows per kv head         TileLoop<V512, DecodeGemm<dtype>> or
+//                      (decode, GQA group of a token;           TileLoop<V256, DecodeGemm8<dtype>> (avx2),
+//                      decode_operands.h)                       spanning kv heads where heads interleave
 //
 // Selectors S: AnyInput, Bf16Input, Bf16Rows<n> (bf16 with >= n rows per kv head).
 #pragma once
