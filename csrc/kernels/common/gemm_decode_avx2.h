@@ -8,11 +8,15 @@
 //   PV: O[row][16 dv] += P[row][key] (broadcast) * V[key][16 dv]   (4 rows x 2 vectors)
 // Every element type is converted to float32 in registers (int8 / float8 codes too: their scales
 // join per key, as in gemm_decode.h's DecodeGemm); rows shorter than a vector are read through a
-// zeroed copy, never past the row.
+// zeroed copy, never past the row. An int8 cache read by bf16 / fp16 queries takes int16 products
+// instead (Q16DecodeGemm8, below).
 #pragma once
 #include <immintrin.h>
 
+#include <cfloat>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "decode_operands.h"
 #include "routes.h"
@@ -235,11 +239,360 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
     }
 };
 
-// The decode route of the avx2 family (routes.h): every K/V dtype through the float32 products.
+// Q16DecodeGemm8: an int8 cache read by bfloat16 / float16 queries, both decode products as
+// pairwise int16 dot products (vpmaddwd: 16 multiply-adds in one instruction, plus a vpaddd into
+// the int32 sums: the FMA's rate, without its two conversions per 8 codes). gemm_decode.h's
+// Q16DecodeGemm<I8Int16Codes> (AVX512-VNNI) with 8-lane vectors, same rounding rules:
+//   QK: each q row rounded to int16 with one float32 scale per row (a power of two times the
+//       score scale, max |code| in [2^14, 2^15)); s[c][r] = qscale_r * kscale_c *
+//       sum_d q16[r][d] * code[c][d], exact in int32 (|sum| <= 32768 * 128 * kMaxHeadDim = 2^30).
+//   PV: per tile and row, w_c = P[r][c] * vscale_c rounded to int16 with one scale per (row,
+//       tile) (max |w| maps to 32767); keys (c, c+1) share a dword (vpmaddwd's pairs): their V
+//       codes sign-extended, then interleaved by 16-bit unpacks (see pv_block for the column
+//       order); int32 sums over a tile (<= 256 keys: < 2^31) join the float32 O times that scale.
+// Rounding (q to 2^-15 of its row's max |q|, weights to 2^-16 of the tile's max) is noise beside
+// a bf16 / fp16 output; float32 queries keep the float32 route (tests/test_kvcache_quant.py's
+// int16 tests bound the error). Why: on the 2-core Zen 3 the float32 route spent ~120 cycles per
+// (key, kv head) of an int8 cache even with the cache in L3 (4 query rows: 128 FMAs, 64 cycles at
+// two FMAs a cycle, plus 32 conversions, vpmovsxbd among them), and read 43 % of the bandwidth
+// with 2 threads; this route ran that decode (B=16 Hq=32 Hk=8 Nk=8192 D=128, bf16 q) 1.26-1.44x
+// as fast (bench/ab_inproc.py, same process, 1 and 2 threads).
+// Layouts: Q int16 [M/RG][dp(D)/16][RG][16] (zero padded: a group's rows side by side per 16
+// features), then float32 row scales [M]; O float32 [M][dp(Dv)] (DecodeGemm8's), then the tile's
+// int32 PV sums [M][dp(Dv)] in pv_block's column order; P's int16 pairs overwrite s in place:
+// pair c/2 of row r at dword [c/2][r].
+struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
+    using Base = DecodeGemm8<I8x8>;
+    using Code = int8_t;
+    static int64_t q_floats(int64_t D, int64_t M) { return M * dp(D) / 2 + M; }
+    static int64_t o_floats(int64_t Dv, int64_t M) { return M * dp(Dv) + M * dp(Dv); }
+    // Row r's first 16 features (its group's block, then r % RG rows in).
+    template <class F>
+    static auto q16(F* q, int64_t D, int64_t r) {
+        using I = std::conditional_t<std::is_const<F>::value, const int16_t, int16_t>;
+        return reinterpret_cast<I*>(q) + (r / RG) * RG * dp(D) + (r % RG) * 16;
+    }
+    static bool finite(float x) { return std::fabs(x) <= FLT_MAX; }
+
+    // Row r: row[d] * 2^(15-e) rounded to nearest even (max |row| = f 2^e, f in [0.5, 1): codes
+    // in [2^14, 2^15], 2^15 saturated), scale qscale * 2^(e-15); a non-finite row: zeros, NaN.
+    static void pack_q_row(float* q, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
+        int16_t* o = q16(q, D, r);
+        float mx = 0.f;
+        bool ok = true;
+        for (int64_t d = 0; d < D; ++d) {
+            ok &= finite(row[d]);
+            mx = std::fmax(mx, std::fabs(row[d]));
+        }
+        int e = 0;
+        std::frexp(mx, &e);
+        for (int64_t d = 0; d < dp(D); ++d) {
+            const float x = ok && d < D ? std::ldexp(row[d], 15 - e) : 0.f;
+            o[(d / 16) * RG * 16 + d % 16] = int16_t(std::fmin(std::nearbyint(x), 32767.f));
+        }
+        q[M * dp(D) / 2 + r] = ok ? float(std::ldexp(double(qscale), e - 15)) : NAN;
+    }
+    static void zero_q_row(float* q, int64_t M, int64_t r, int64_t D) {
+        for (int64_t d = 0; d < dp(D); d += 16) std::memset(q16(q, D, r) + (d / 16) * RG * 16, 0, 16 * sizeof(int16_t));
+        q[M * dp(D) / 2 + r] = 0.f;
+    }
+
+    // Lanes below n as a vector mask.
+    static __m256i lanes_below8(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+    // The scales of key c of a K/V tile for 8 row lanes whose kv heads (relative to the item's
+    // first) are kv_head[0..7], non-decreasing and adjacent: a masked load and a permute where the
+    // heads' scales are adjacent too (head stride 1: the (B, N, H) scale layout), else per lane;
+    // 1 without scales.
+    struct LaneScales {
+        const float* base = nullptr;
+        int64_t ld = 0;
+        bool adjacent = false;
+        __m256i idx, m;
+        int64_t at[8];
+        LaneScales(const KvTile& t, const int32_t* kv_head) {
+            if (!t.scale) return;
+            base = t.scale + kv_head[0] * t.scale_head_stride;
+            ld = t.scale_ld;
+            alignas(32) int32_t rel[8];
+            for (int l = 0; l < 8; ++l) {
+                rel[l] = kv_head[l] - kv_head[0];
+                at[l] = int64_t(rel[l]) * t.scale_head_stride;
+            }
+            adjacent = t.scale_head_stride == 1;
+            idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(rel));
+            m = lanes_below8(rel[7] + 1);
+        }
+        __m256 at_key(int64_t c) const {
+            if (!base) return _mm256_set1_ps(1.f);
+            const float* p = base + c * ld;
+            if (adjacent) return _mm256_permutevar8x32_ps(_mm256_maskload_ps(p, m), idx);
+            return _mm256_setr_ps(p[at[0]], p[at[1]], p[at[2]], p[at[3]], p[at[4]], p[at[5]], p[at[6]], p[at[7]]);
+        }
+    };
+    // 16 codes from p; kMasked: only n of them (zeros past n, nothing read there).
+    template <bool kMasked>
+    static __m128i bytes16(const Code* p, int64_t n) {
+        if (!kMasked) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        alignas(16) Code buf[16] = {};
+        if (n > 0) std::memcpy(buf, p, size_t(n < 16 ? n : 16));
+        return _mm_load_si128(reinterpret_cast<const __m128i*>(buf));
+    }
+    // acc + pairwise products of a and b (vpmaddwd, vpaddd into acc). Written as asm: gcc's
+    // builtins put each sum in a fresh register and copied it back (a vmovdqa per product).
+    static inline __attribute__((always_inline)) __m256i dot(__m256i acc, __m256i a, __m256i b) {
+        __m256i t;
+        __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "xm"(b));
+        return acc;
+    }
+    static inline __attribute__((always_inline)) __m256i dot_r(__m256i acc, __m256i a, __m256i b) {  // b in a register
+        __m256i t;
+        __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(a), "x"(b));
+        return acc;
+    }
+    // The 8 horizontal sums of v[0..7] as one vector (lane i = sum of v[i]) by in-lane unpacks
+    // and adds (vphaddd costs ~2.2 cycles on Zen 3, an unpack or add 0.25-0.5), then one
+    // exchange of the 128-bit halves.
+    static __m256i sums8(const __m256i* v) {
+        auto pair = [](__m256i a, __m256i b) {  // [a0+a2, b0+b2, a1+a3, b1+b3] per half
+            return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+        };
+        auto quad = [](__m256i ab, __m256i cd) {  // [a, b, c, d] per half
+            return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+        };
+        const __m256i lo = quad(pair(v[0], v[1]), pair(v[2], v[3])), hi = quad(pair(v[4], v[5]), pair(v[6], v[7]));
+        return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+
+    // s[c*RB + r] = q_r . k_c: int32 dot products by groups of RG rows (key blocks outer, as in
+    // DecodeGemm8::qk), then one pass over the block scaling each by its row's and key's scales.
+    static void qk(const ItemOperands& x, const RowBlock& block, const KvTile& kt, int64_t nc, float* s) {
+        const Code* k = static_cast<const Code*>(kt.data);
+        const int64_t D = x.d, Dq = dp(D), ldk = kt.ld;
+        const int16_t* q = q16(x.q, D, block.r0);
+        const int32_t* kv_head = block.kv_head;
+        for (int64_t cb = 0; cb < nc; cb += KBLK) {
+            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
+            for (int r = 0; r < block.rows; r += RG) {
+                int64_t off[RG];
+                head_offsets(kv_head, r, kt, off);
+                const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
+                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
+                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
+            }
+        }
+        const float* qs = x.q + x.M * Dq / 2 + block.r0;
+        for (int v = 0; v < block.vectors; ++v) {
+            const LaneScales ks(kt, kv_head + v * W);
+            const __m256 rs = _mm256_loadu_ps(qs + v * W);
+            for (int64_t c = 0; c < nc; ++c) {
+                float* sp = s + c * RB + v * W;
+                _mm256_storeu_ps(sp, _mm256_mul_ps(_mm256_loadu_ps(sp), _mm256_mul_ps(rs, ks.at_key(c))));
+            }
+        }
+    }
+    // The K lines at feature d of keys kr (the group's distinct heads) prefetched: into L2
+    // kPrefetchKeys ahead (pf), into L1 one key block ahead (a block is ~5 us of work at 8 heads;
+    // measured 1.07-1.10x on the 2-core Zen 3 over the far prefetch alone).
+    template <bool kOneHead>
+    static inline __attribute__((always_inline)) void qk_prefetch(const Code* const (&kr)[KB], const int64_t* off, int64_t d,
+                                                                  int64_t pf, int64_t pf0) {
+#pragma GCC unroll 2
+        for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 4
+            for (int j = 0; j < (kOneHead ? 1 : RG); ++j)
+                if (j == 0 || off[j] != off[j - 1]) {
+                    _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[j] + d), _MM_HINT_T1);
+                    _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf0 + off[j] + d), _MM_HINT_T0);
+                }
+    }
+    // 16 features at d of the group's rows (q: qg + d * RG, row j 16 further) against keys kr.
+    template <bool kOneHead, bool kMasked>
+    static inline __attribute__((always_inline)) void qk_chunk(__m256i (&acc)[KB][RG], const int16_t* qg, int64_t d,
+                                                               int64_t D, const Code* const (&kr)[KB], const int64_t* off) {
+        // q in registers for both keys: loads (two 32-byte loads a cycle) bound this loop else
+        __m256i qv[RG];
+#pragma GCC unroll 4
+        for (int j = 0; j < RG; ++j) qv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + d * RG) + j);
+#pragma GCC unroll 2
+        for (int i = 0; i < KB; ++i) {
+            if constexpr (kOneHead) {
+                const __m256i kv = _mm256_cvtepi8_epi16(bytes16<kMasked>(kr[i] + off[0] + d, D - d));
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) acc[i][j] = dot_r(acc[i][j], kv, qv[j]);
+            } else {
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) {
+                    const __m256i kv = _mm256_cvtepi8_epi16(bytes16<kMasked>(kr[i] + off[j] + d, D - d));
+                    acc[i][j] = dot_r(acc[i][j], kv, qv[j]);
+                }
+            }
+        }
+    }
+    template <bool kOneHead>
+    static void qk_group(const int16_t* qg, int64_t D, const Code* k, int64_t ldk, const int64_t* off, int64_t cb,
+                         int64_t ce, float* s, int64_t pf, bool prefetch) {
+        const int64_t pf0 = KBLK * ldk;
+        for (int64_t c = cb; c < ce; c += KB) {
+            const int64_t nkb = ce - c < KB ? ce - c : KB;
+            const Code* kr[KB];
+            key_rows(k, c, nkb, ldk, kr);
+            __m256i acc[KB][RG];
+#pragma GCC unroll 2
+            for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) acc[i][j] = _mm256_setzero_si256();
+            // 64 features (one line of codes) at a time, then 16, then the tail (D % 16) through a copy
+            int64_t d = 0;
+            for (; d + 64 <= D; d += 64) {
+                if (prefetch) qk_prefetch<kOneHead>(kr, off, d, pf, pf0);
+#pragma GCC unroll 4
+                for (int64_t e = d; e < d + 64; e += 16) qk_chunk<kOneHead, false>(acc, qg, e, D, kr, off);
+            }
+            if (d < D && prefetch) qk_prefetch<kOneHead>(kr, off, d, pf, pf0);
+            for (; d + 16 <= D; d += 16) qk_chunk<kOneHead, false>(acc, qg, d, D, kr, off);
+            if (d < D) qk_chunk<kOneHead, true>(acc, qg, d, D, kr, off);
+            const __m256i t = sums8(&acc[0][0]);  // lane i*RG + j: key c+i, row j
+            alignas(32) float sum[KB * RG];
+            _mm256_store_ps(sum, _mm256_cvtepi32_ps(t));
+            for (int i = 0; i < nkb; ++i) std::memcpy(s + (c + i) * RB, sum + i * RG, RG * sizeof(float));
+        }
+    }
+
+    // P of one row vector (s + v*W, nc keys) times V's scales -> int16 pairs in place;
+    // wscale[l] = lane l's scale (NaN where a weight is not finite).
+    static void quantize_p(float* s, int64_t nc, const KvTile& vt, const int32_t* kv_head, float* wscale) {
+        const LaneScales vs(vt, kv_head);
+        const __m256 inf = _mm256_set1_ps(INFINITY), sign = _mm256_set1_ps(-0.f);
+        __m256 wmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nc; ++c) {
+            const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(s + c * RB), vs.at_key(c));
+            _mm256_storeu_ps(s + c * RB, w);
+            const __m256 aw = _mm256_andnot_ps(sign, w);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(aw, inf, _CMP_NLT_UQ));  // inf or NaN
+            wmax = _mm256_max_ps(wmax, aw);
+        }
+        // inv <= 32767 / wmax keeps |w| * inv <= 32767 (rounded: 32767); 0 for an all-zero row
+        const __m256 pos = _mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ);
+        const __m256 inv = _mm256_and_ps(pos, _mm256_min_ps(_mm256_div_ps(_mm256_set1_ps(32767.f), wmax), _mm256_set1_ps(FLT_MAX)));
+        _mm256_storeu_ps(wscale, _mm256_blendv_ps(_mm256_mul_ps(wmax, _mm256_set1_ps(1.f / 32767.f)), _mm256_set1_ps(NAN), bad));
+        int32_t* pairs = reinterpret_cast<int32_t*>(s);
+        for (int64_t c = 0; c < nc; c += 2) {  // pair c/2 lands at key slot c/2 <= c: read before written
+            const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + c * RB), inv));
+            const __m256i hi = c + 1 < nc ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + (c + 1) * RB), inv))
+                                          : _mm256_setzero_si256();
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (c / 2) * RB),
+                                _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16)));
+        }
+    }
+
+    // acc[i][j, j + 16) += sum over keys [cb, ce) of the pairs' products: the codes of keys c and
+    // c+1 sign-extended (from memory: vpmovsxbw from a register costs ~1.25 cycles on Zen 3, from
+    // memory 0.5) and interleaved by 16-bit unpacks, which stay in their 128-bit halves: x[0] =
+    // columns j + {0-3, 8-11}, x[1] = j + {4-7, 12-15}, each as (c, c+1) pairs (pv puts the
+    // columns back in order).
+    // kPf: prefetch the lines of both keys (a block whose j starts a line), into L2
+    // kPrefetchKeys ahead (pf) and into L1 one key block ahead, as qk_prefetch.
+    template <bool kOneHead, bool kMasked, bool kPf>
+    static inline __attribute__((always_inline)) void pv_pair(__m256i (&a)[RG][2], const Code* v0, const Code* v1,
+                                                              const int32_t* w, const int64_t* off, int64_t left,
+                                                              int64_t pf, int64_t pf0) {
+        __m256i x[2];
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i) {
+            if (kOneHead ? i == 0 : (i == 0 || off[i] != off[i - 1])) {
+                if (kPf) {
+                    _mm_prefetch(reinterpret_cast<const char*>(v0 + pf + off[i]), _MM_HINT_T1);
+                    _mm_prefetch(reinterpret_cast<const char*>(v1 + pf + off[i]), _MM_HINT_T1);
+                    _mm_prefetch(reinterpret_cast<const char*>(v0 + pf0 + off[i]), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(v1 + pf0 + off[i]), _MM_HINT_T0);
+                }
+                const __m256i a = _mm256_cvtepi8_epi16(bytes16<kMasked>(v0 + off[i], left));
+                const __m256i b = _mm256_cvtepi8_epi16(bytes16<kMasked>(v1 + off[i], left));
+                x[0] = _mm256_unpacklo_epi16(a, b);
+                x[1] = _mm256_unpackhi_epi16(a, b);
+            }
+            const __m256i wi = _mm256_set1_epi32(w[i]);
+            a[i][0] = dot(a[i][0], x[0], wi);
+            a[i][1] = dot(a[i][1], x[1], wi);
+        }
+    }
+    template <bool kOneHead, bool kMasked, bool kPf>
+    static void pv_pairs(__m256i (&a)[RG][2], int64_t cb, int64_t ce, const Code* v0, int64_t ldv, const int32_t* w,
+                         const int64_t* off, int64_t left, int64_t pf) {
+        int64_t c = cb;
+        for (; c + 1 < ce; c += 2, v0 += 2 * ldv, w += RB) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0 + ldv, w, off, left, pf, KBLK * ldv);
+        if (c < ce) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0, w, off, left, pf, KBLK * ldv);  // an odd last key pairs with itself (weight 0)
+    }
+    template <bool kOneHead, bool kMasked>
+    static void pv_block(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
+                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, bool prefetch) {
+        __m256i a[RG][2];
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 2
+            for (int t = 0; t < 2; ++t) a[i][t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + i * lda + j + 8 * t));
+        const Code* v0 = v + cb * ldv + j;
+        const int32_t* w = wp + (cb / 2) * RB;
+        if ((prefetch || !kOneHead) && j % 64 == 0) pv_pairs<kOneHead, kMasked, true>(a, cb, ce, v0, ldv, w, off, n - j, pf);
+        else pv_pairs<kOneHead, kMasked, false>(a, cb, ce, v0, ldv, w, off, n - j, pf);
+#pragma GCC unroll 4
+        for (int i = 0; i < RG; ++i)
+#pragma GCC unroll 2
+            for (int t = 0; t < 2; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + i * lda + j + 8 * t), a[i][t]);
+    }
+
+    // O[r0 + r][:] += sum_c P[r][c] V[c][:]: P rounded to int16 pairs, int32 sums per tile (key
+    // blocks outer as in DecodeGemm8::pv), then added to O times their scale.
+    static void pv(const ItemOperands& x, const RowBlock& block, float* s, int64_t nc, const KvTile& vt) {
+        const Code* v = static_cast<const Code*>(vt.data);
+        const int64_t Dv = x.dv, n = dp(Dv), ldv = vt.ld, rows = round_up(block.rows, RG);
+        const int32_t* kv_head = block.kv_head;
+        alignas(32) float wscale[RB];
+        for (int vv = 0; vv < block.vectors; ++vv) quantize_p(s + vv * W, nc, vt, kv_head + vv * W, wscale + vv * W);
+        int32_t* acc = reinterpret_cast<int32_t*>(x.o + x.M * n) + block.r0 * n;
+        std::memset(acc, 0, size_t(rows * n) * sizeof(int32_t));
+        const int32_t* pairs = reinterpret_cast<const int32_t*>(s);
+        for (int64_t cb = 0; cb < nc; cb += KBLK) {
+            static_assert(KBLK % 2 == 0, "key blocks hold whole pairs");
+            const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
+            for (int r = 0; r < rows; r += RG) {
+                int64_t off[RG];
+                head_offsets(kv_head, r, vt, off);
+                const bool one = off[0] == off[RG - 1], first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
+                int32_t* a = acc + r * n;
+                int64_t j = 0;
+                for (; j + 16 <= Dv; j += 16) {  // whole 16-column blocks: plain loads
+                    if (one) pv_block<true, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, first_of_head);
+                    else pv_block<false, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, true);
+                }
+                if (j < Dv) {                    // the tail: 1..15 columns
+                    if (one) pv_block<true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, first_of_head);
+                    else pv_block<false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, true);
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            float* o = x.o + (block.r0 + r) * n;
+            const int32_t* a = acc + r * n;
+            const __m256 f = _mm256_set1_ps(wscale[r]);
+            for (int64_t j = 0; j < n; j += 16) {  // pv_block's order: {0-3, 8-11}, {4-7, 12-15}
+                const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j));
+                const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j + 8));
+                const __m256 first = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(x0, x1, 0x20));
+                const __m256 second = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(x0, x1, 0x31));
+                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(first, f, _mm256_loadu_ps(o + j)));
+                _mm256_storeu_ps(o + j + 8, _mm256_fmadd_ps(second, f, _mm256_loadu_ps(o + j + 8)));
+            }
+        }
+    }
+};
+
+// The decode route of the avx2 family (routes.h): every K/V dtype through the float32 products,
+// but an int8 cache read by 16-bit queries: int16 products.
 template <class V256>
 using Avx2DecodeRoute = DecodeRoute<TileLoop<V256, DecodeGemm8<F32x8>>, TileLoop<V256, DecodeGemm8<F16x8>>,
                                     TileLoop<V256, DecodeGemm8<Bf16x8>>, TileLoop<V256, DecodeGemm8<I8x8>>,
-                                    TileLoop<V256, DecodeGemm8<F8x8>>>;
+                                    TileLoop<V256, DecodeGemm8<F8x8>>, TileLoop<V256, Q16DecodeGemm8>>;
 
 }  // namespace
 }  // namespace fa2cpu

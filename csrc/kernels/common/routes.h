@@ -7,7 +7,8 @@
 //   TileRoute<L, S>    S::serves(p, rows per kv head)           L = TileLoop<V, GEMM policy>
 //   DecodeRoute<...>   <= kRowsPerHead rows per kv head         TileLoop<V512, DecodeGemm<dtype>> or
 //                      (decode, GQA group of a token;           TileLoop<V256, DecodeGemm8<dtype>> (avx2),
-//                      decode_operands.h)                       spanning kv heads where heads interleave
+//                      decode_operands.h)                       spanning kv heads where heads interleave;
+//                                                               int8 cache + 16-bit q: Q16DecodeGemm(8)
 //
 // Selectors S: AnyInput, Bf16Input, Bf16Rows<n> (bf16 with >= n rows per kv head).
 #pragma once
