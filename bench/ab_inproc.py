@@ -53,7 +53,7 @@ def decode_case(cache, rng, B=16, N=8192):
         raise SystemExit(f"decode CACHE: bf16, fp32, int8 or fp8, not {cache!r}")
     dt = ml_dtypes.bfloat16 if cache == "bf16" else np.float32
     kc, vc = (rng.standard_normal((B, N, Hk, D), dtype=np.float32).astype(dt) for _ in range(2))
-    return (q, kc, vc), {}
+    return (q.astype(dt), kc, vc), {}  # a float cache takes q of its dtype
 
 
 def alternate(mods, call, reps):

@@ -276,19 +276,39 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
 
     // Row r: row[d] * 2^(15-e) rounded to nearest even (max |row| = f 2^e, f in [0.5, 1): codes
     // in [2^14, 2^15], 2^15 saturated), scale qscale * 2^(e-15); a non-finite row: zeros, NaN.
+    // Vectorized: per call every q row passes here (a scalar loop cost ~40 us for 32 rows).
     static void pack_q_row(float* q, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
         int16_t* o = q16(q, D, r);
-        float mx = 0.f;
-        bool ok = true;
-        for (int64_t d = 0; d < D; ++d) {
-            ok &= finite(row[d]);
-            mx = std::fmax(mx, std::fabs(row[d]));
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 a = _mm256_andnot_ps(sign, D - d >= 8 ? _mm256_loadu_ps(row + d) : F32x8::load_part(row + d, D - d));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, _mm256_set1_ps(FLT_MAX), _CMP_NLE_UQ));  // inf or NaN
+            amax = _mm256_max_ps(amax, a);
         }
+        alignas(32) float m8[8];
+        _mm256_store_ps(m8, amax);
+        float mx = 0.f;
+        for (float x : m8) mx = std::fmax(mx, x);
+        const bool ok = _mm256_movemask_ps(bad) == 0;
         int e = 0;
         std::frexp(mx, &e);
-        for (int64_t d = 0; d < dp(D); ++d) {
-            const float x = ok && d < D ? std::ldexp(row[d], 15 - e) : 0.f;
-            o[(d / 16) * RG * 16 + d % 16] = int16_t(std::fmin(std::nearbyint(x), 32767.f));
+        // 2^(15-e) as one float when it is one (always, but for rows below ~2^-110)
+        const bool direct = 15 - e <= 127;
+        const __m256 f = _mm256_set1_ps(direct ? std::ldexp(1.f, 15 - e) : 0.f);
+        for (int64_t d = 0; d < dp(D); d += 8) {
+            const int64_t n = D - d < 8 ? D - d : 8;
+            __m256i c = _mm256_setzero_si256();
+            if (ok && n > 0 && direct) {
+                c = _mm256_cvtps_epi32(_mm256_mul_ps(n == 8 ? _mm256_loadu_ps(row + d) : F32x8::load_part(row + d, n), f));  // exact product, nearest even
+            } else if (ok && n > 0) {
+                alignas(32) int32_t t[8] = {};
+                for (int64_t i = 0; i < n; ++i) t[i] = int32_t(std::nearbyint(std::ldexp(row[d + i], 15 - e)));
+                c = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+            }
+            c = _mm256_min_epi32(c, _mm256_set1_epi32(32767));  // 2^15 (a rounded-up max) saturated
+            const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + (d / 16) * RG * 16 + d % 16), h);
         }
         q[M * dp(D) / 2 + r] = ok ? float(std::ldexp(double(qscale), e - 15)) : NAN;
     }
