@@ -179,8 +179,8 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
 
     Covered: q, caches (and k, v) plain ndarrays of one kernel dtype, 4-D, either layout, or
     int8 / float8 caches with both float32 scale arrays of the cache's shape without the last
-    axis (finite k, v when appending); contiguous cache, or paged with an int32 block table; int or int32/int64 ``(B,)``
-    cache_seqlens; no alibi; Python scalars for the options; ``out`` None or a C-contiguous
+    axis (finite k, v when appending); contiguous cache, or paged with an int32 block table; None,
+    int or int32/int64 ``(B,)`` cache_seqlens; no alibi; Python scalars for the options; ``out`` None or a C-contiguous
     array that shares no memory with an input. Within that case the results equal
     kvcache_problem's (same normalisation of options, same core arguments)."""
     if type(q) is not np.ndarray or type(k_cache) is not np.ndarray or type(v_cache) is not np.ndarray:
@@ -256,6 +256,8 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
         capacity = block_table.shape[1] * block_size
     if type(cache_seqlens) is int:
         lengths, length = None, cache_seqlens
+    elif cache_seqlens is None:  # the whole capacity (an append then fails the bound below)
+        lengths, length = None, capacity
     elif type(cache_seqlens) is np.ndarray and cache_seqlens.dtype in _INDEX_DTYPES \
             and cache_seqlens.shape == (B,):
         if B == 1:  # one length: no array reductions

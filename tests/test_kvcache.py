@@ -470,7 +470,7 @@ def _same_problem_field(name, lean, full):
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("case", ["int", "array", "append", "options", "out", "int8", "fp8-append"])
+@pytest.mark.parametrize("case", ["int", "array", "none", "append", "options", "out", "int8", "fp8-append"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_lean_validator_matches_full_checks(layout, paged, case, batch):
     """The decode path's lean validator (also fa2cpu.torch's) takes the common case and describes
@@ -481,7 +481,7 @@ def test_lean_validator_matches_full_checks(layout, paged, case, batch):
     kc, vc, table = make_cache(rng, batch, cap, Hk, D, Dv, "float32", block_size=16 if paged else None)
     q = rand(rng, (batch, Nq, Hq, D), "float32")
     k = v = out = None
-    seqlens = 40 if case != "array" else np.array([40, 3, 17][:batch], np.int32)
+    seqlens = {"array": np.array([40, 3, 17][:batch], np.int32), "none": None}.get(case, 40)  # None: full capacity
     options = dict(causal=False, scale=None, window=(-1, -1), softcap=None)
     k_scale = v_scale = None
     if case in ("int8", "fp8-append"):  # a quantized cache: codes + float32 scales (B|blocks, N, Hk)
