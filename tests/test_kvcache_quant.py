@@ -142,6 +142,22 @@ def test_splits(isa, rng, code, splits):
     check_quant(q, kc, vc, ks, vs, None, None, "float32", cache_seqlens=cap, num_splits=splits)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("code", ["int8", "fp8"])
+@pytest.mark.parametrize("Hq,Hk", [(4, 2), (8, 2), (6, 3)])
+def test_shared_head_storage_keeps_per_head_scales(isa, rng, code, dtype, Hq, Hk):
+    """kv heads that share their codes (head stride 0: np.broadcast_to) but not their scales: each
+    query row is scaled by its own head's K and V scales, also where one row group (4 rows) spans
+    heads whose K/V rows are the same memory."""
+    B, cap, D = 2, 70, 32
+    kc1, vc1, _, _, _ = quant_cache(rng, B, cap, 1, D, D, code)
+    kc, vc = (np.broadcast_to(a, (B, cap, Hk, D)) for a in (kc1, vc1))
+    ks = rng.uniform(0.01, 0.04, (B, cap, Hk)).astype(np.float32)  # codes x scale ~ N(0, 1), as quantize gives
+    vs = (rng.uniform(0.01, 0.02, (B, cap, 1)) * np.arange(1, Hk + 1)).astype(np.float32)  # heads differ
+    q = rand(rng, (B, 1, Hq, D), dtype)
+    check_quant(q, kc, vc, ks, vs, None, None, dtype, cache_seqlens=np.array([cap, 33], np.int32))
+
+
 def test_float8_without_scales(isa, rng):
     """float8 caches need no scales (scale 1); appended values are converted directly, saturating."""
     B, cap, Hq, Hk, D = 2, 64, 4, 1, 32

@@ -100,8 +100,8 @@ struct DecodeOperands {
     // The outer loops of both products: for each block of KBLK keys [cb, ce) (outer, so that the
     // rows of all kv heads of an item for those keys, contiguous in a (B, N, H, D) cache, are read
     // together) and each group of RG rows r: f(cb, ce, r, off, scales, one_head, prefetch), where
-    // one_head says the group's rows share one kv head (each K/V vector is then loaded once for
-    // all of them) and prefetch whether this group issues the prefetches (the first group of its
+    // one_head says the group's rows share one kv head's rows and scales (each K/V vector is then
+    // loaded once, and scaled once, for all of them) and prefetch whether this group issues the prefetches (the first group of its
     // head; groups spanning heads always do).
     template <class F>
     static void for_groups(const RowBlock& block, const KvTile& t, int64_t nc, F&& f) {
@@ -112,7 +112,9 @@ struct DecodeOperands {
                 int64_t off[RG];
                 const float* sc[RG];
                 const Scales scales = group(kv_head, r, t, off, sc);
-                const bool one = off[0] == off[RG - 1];
+                // One head: the same K/V rows and the same scales (kv heads may share storage,
+                // head stride 0, and still carry their own scales: not one head then).
+                const bool one = off[0] == off[RG - 1] && sc[0] == sc[RG - 1];
                 f(cb, ce, r, static_cast<const int64_t*>(off), scales, one, !one || r == 0 || kv_head[r - 1] != kv_head[r]);
             }
         }
