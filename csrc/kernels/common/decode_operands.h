@@ -101,8 +101,8 @@ struct DecodeOperands {
     // rows of all kv heads of an item for those keys, contiguous in a (B, N, H, D) cache, are read
     // together) and each group of RG rows r: f(cb, ce, r, off, scales, one_head, prefetch), where
     // one_head says the group's rows share one kv head's rows and scales (each K/V vector is then
-    // loaded once, and scaled once, for all of them) and prefetch whether this group issues the prefetches (the first group of its
-    // head; groups spanning heads always do).
+    // loaded once, and scaled once, for all of them) and prefetch whether this group issues the
+    // prefetches (the first group of its head; groups spanning heads always do).
     template <class F>
     static void for_groups(const RowBlock& block, const KvTile& t, int64_t nc, F&& f) {
         const int32_t* kv_head = block.kv_head;

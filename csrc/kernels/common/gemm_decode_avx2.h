@@ -246,7 +246,7 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
 // the int32 sums: the FMA's rate, without its two conversions per 8 codes). gemm_decode.h's
 // Q16DecodeGemm<I8Int16Codes> (AVX512-VNNI) with 8-lane vectors, same rounding rules:
 //   QK: each q row rounded to int16 with one float32 scale per row (a power of two times the
-//       score scale, max |code| in [2^14, 2^15)); s[c][r] = qscale_r * kscale_c *
+//       score scale, max |code| in [2^14, 2^15], 2^15 saturated); s[c][r] = qscale_r * kscale_c *
 //       sum_d q16[r][d] * code[c][d], exact in int32 (|sum| <= 32768 * 128 * kMaxHeadDim = 2^30).
 //   PV: per tile and row, w_c = P[r][c] * vscale_c rounded to int16 with one scale per (row,
 //       tile) (max |w| maps to 32767); keys (c, c+1) share a dword (vpmaddwd's pairs): their V
@@ -274,7 +274,6 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
         using I = std::conditional_t<std::is_const<F>::value, const int16_t, int16_t>;
         return reinterpret_cast<I*>(q) + (r / RG) * RG * dp(D) + (r % RG) * 16;
     }
-    static bool finite(float x) { return std::fabs(x) <= FLT_MAX; }
 
     // Row r: row[d] * 2^(15-e) rounded to nearest even (max |row| = f 2^e, f in [0.5, 1): codes
     // in [2^14, 2^15], 2^15 saturated), scale qscale * 2^(e-15); a non-finite row: zeros, NaN.
@@ -294,7 +293,7 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
         for (float x : m8) mx = std::fmax(mx, x);
         const bool ok = _mm256_movemask_ps(bad) == 0;
         int e = 0;
-        std::frexp(mx, &e);
+        if (ok) std::frexp(mx, &e);  // (a non-finite row's codes are zeros, below)
         // 2^(15-e) as one float when it is one (always, but for rows below ~2^-110)
         const bool direct = 15 - e <= 127;
         const __m256 f = _mm256_set1_ps(direct ? std::ldexp(1.f, 15 - e) : 0.f);
@@ -491,7 +490,7 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
             _mm256_storeu_ps(s + c * RB, w);
             const __m256 aw = _mm256_andnot_ps(sign, w);
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(aw, inf, _CMP_NLT_UQ));  // inf or NaN
-            wmax = _mm256_max_ps(wmax, aw);
+            wmax = _mm256_max_ps(wmax, aw);  // may drop a NaN: `bad` keeps it
         }
         // inv <= 32767 / wmax keeps |w| * inv <= 32767 (rounded: 32767); 0 for an all-zero row
         const __m256 pos = _mm256_cmp_ps(wmax, _mm256_setzero_ps(), _CMP_GT_OQ);
