@@ -70,6 +70,33 @@ struct V256 {
     static void store_row(void* base, int64_t idx, int64_t stride, const float* src, int64_t n, DType dt) {
         fa2cpu::store_row(base, idx, stride, src, n, dt);
     }
+    // dst[i * ldd + j] = src[j * lds + i] for i, j < 16 (policy.h transpose16: the forward's Q
+    // packing and output rows, the backward's panel <-> row copies), as four 8 x 8 transposes in
+    // registers.
+    static void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
+        for (int a = 0; a < 16; a += 8)
+            for (int b = 0; b < 16; b += 8) transpose8(src + b * lds + a, lds, dst + a * ldd + b, ldd);
+    }
+    // dst[i * ldd + j] = src[j * lds + i] for i, j < 8: 32-bit unpacks, 64-bit shuffles within
+    // 128-bit lanes, then the lanes exchanged (row k's low half meets row k+4's).
+    static void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+        __m256 r[8], t[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src + j * lds);
+        for (int j = 0; j < 8; j += 2) {
+            t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);      // per lane: r_j0 r_j+1,0 r_j1 r_j+1,1
+            t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);  // per lane: r_j2 r_j+1,2 r_j3 r_j+1,3
+        }
+        for (int g = 0; g < 8; g += 4) {  // r[g + k]: column k (and 4 + k in the high lane) of rows g..g+3
+            r[g + 0] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+            r[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xee);
+            r[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+            r[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xee);
+        }
+        for (int k = 0; k < 4; ++k) {
+            _mm256_storeu_ps(dst + k * ldd, _mm256_permute2f128_ps(r[k], r[4 + k], 0x20));
+            _mm256_storeu_ps(dst + (4 + k) * ldd, _mm256_permute2f128_ps(r[k], r[4 + k], 0x31));
+        }
+    }
 };
 
 double peak(int, double seconds) { return fma_peak_gflops<V256>(seconds); }

@@ -12,7 +12,7 @@
 //            packs_k / packs_v(p): whether whole tiles are packed (then they can be shared)
 //   products qk(ops, rows, k_tile, keys, s): S block of `rows`;  pv(ops, rows, s, keys, v_tile): O += P V
 //   O        o_elem(o, M, Dv, r, j), rescale_o(o, M, Dv, r, alpha) (TransposedO below for most)
-//   optional, used when kRowAlign % 16 == 0 (rows then come in whole blocks of 16):
+//   optional, used when the item's padded rows M are a multiple of 16 (whole blocks of 16):
 //            pack_q_rows(q, M, r0, rows, D, scale, nreal): rows r0..r0+15 at once from
 //            rows[i * D + d] (i < nreal real, the rest padding), the values of pack_q_row /
 //            zero_q_row; gather_o_rows(o, M, Dv, r0, dst): rows r0..r0+15 of O into dst[i * Dv + j]

@@ -45,7 +45,8 @@ struct TileLoop {
     static constexpr int64_t BC = G::BC;
     static_assert(G::W == W && G::kRowAlign % W == 0, "the policy's rows fill the vector lanes");
     // Q packed and O read 16 rows at a time when the policy offers it (policy.h's optional
-    // pack_q_rows / gather_o_rows) and items hold whole blocks of 16 rows.
+    // pack_q_rows / gather_o_rows) and the item holds whole blocks of 16 rows (M % 16 == 0:
+    // always where kRowAlign is a multiple of 16; 8-lane families pad items to 8 rows only).
     template <class X, class = void>
     struct HasPackQRows : std::false_type {};
     template <class X>
@@ -54,8 +55,8 @@ struct TileLoop {
     struct HasORows : std::false_type {};
     template <class X>
     struct HasORows<X, std::void_t<decltype(&X::gather_o_rows)>> : std::true_type {};
-    static constexpr bool kBlockQ = HasPackQRows<G>::value && G::kRowAlign % 16 == 0;
-    static constexpr bool kBlockO = HasORows<G>::value && G::kRowAlign % 16 == 0;
+    static constexpr bool kBlockQ = HasPackQRows<G>::value;
+    static constexpr bool kBlockO = HasORows<G>::value;
     // How far (log2 units) a row's tile max may pass its running max before softmax_update moves
     // the max and rescales O and l: probabilities then stay <= 2^8 (fine in float32 and bf16; O
     // and l may grow 2^8 times larger than against the exact max, so |V| beyond ~FLT_MAX / (2^8 x
@@ -135,20 +136,21 @@ struct TileLoop {
         // and bias parameters.
         int64_t lo_min = nk, hi_max = -1;
         alignas(64) float qrows[kBlockQ ? 16 * kMaxHeadDim : kMaxHeadDim];
+        const bool block_q = kBlockQ && M % 16 == 0;
         for (int64_t r = 0; r < M; ++r) {
             if (r >= R) {  // padding lanes: computed, never stored, never decide a skip
-                if constexpr (!kBlockQ) G::zero_q_row(q, M, r, D);
+                if (!block_q) G::zero_q_row(q, M, r, D);
                 first_key[r] = 0; last_key[r] = nk; diagonal[r] = 0; slope[r] = 0.f; mask_row_offset[r] = 0;
                 row_kv_head[r] = R > 0 ? row_kv_head[R - 1] : 0;  // padding rows read the last row's head
-                if constexpr (kBlockQ) pack_q_block(q, M, r, R, qrows, D, pack_scale);
+                if (block_q) pack_q_block(q, M, r, R, qrows, D, pack_scale);
                 continue;
             }
             const int64_t h = it.kv_head * group + it.g0 + r / nqi, i = it.i0 + r % nqi;
             row_kv_head[r] = int32_t(h / group - it.kv_head);
-            float* row = kBlockQ ? qrows + (r % 16) * D : qrows;
+            float* row = block_q ? qrows + (r % 16) * D : qrows;
             const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
             V::load_row(row, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
-            if constexpr (kBlockQ) pack_q_block(q, M, r, R, qrows, D, pack_scale);
+            if (block_q) pack_q_block(q, M, r, R, qrows, D, pack_scale);
             else G::pack_q_row(q, M, r, row, D, pack_scale);
             int64_t lo, hi;
             visible_range(p, nq, nk, i, &lo, &hi);
@@ -200,9 +202,11 @@ struct TileLoop {
     // After row r (real or padding) is in qrows[(r % 16) * D ..]: the block's last row packs the
     // block's 16 rows (those at R and beyond are padding).
     static void pack_q_block(float* q, int64_t M, int64_t r, int64_t R, float* qrows, int64_t D, float scale) {
-        if (r % 16 != 15) return;
-        const int64_t r0 = r - 15, real = R - r0;
-        G::pack_q_rows(q, M, r0, qrows, D, scale, int(real < 0 ? 0 : real > 16 ? 16 : real));
+        if constexpr (kBlockQ) {
+            if (r % 16 != 15) return;
+            const int64_t r0 = r - 15, real = R - r0;
+            G::pack_q_rows(q, M, r0, qrows, D, scale, int(real < 0 ? 0 : real > 16 ? 16 : real));
+        }
     }
 
     static void start_with_sink(float sink, float* m, float* l) {
@@ -435,6 +439,7 @@ struct TileLoop {
         FA2CPU_CHECK(Dv <= kMaxHeadDim);  // the row buffer below
         // Rows of O: 16 at a time from the policy's layout where it can (gather_o_rows), else element by element.
         alignas(64) float orows[kBlockO ? 16 * kMaxHeadDim : 1];
+        const bool block_o = kBlockO && M % 16 == 0;
         for (int64_t r = 0; r < R; ++r) {
             const float l = lrow[r];
             const float inv = l == 0.f ? 0.f : 1.f / l;  // NaN stays NaN
@@ -442,8 +447,9 @@ struct TileLoop {
             // The row gathered from G's O layout, normalised, then stored with V's conversions.
             alignas(64) float buf[kMaxHeadDim];
             float* row = it.part >= 0 ? parts.o + (it.part + r) * Dv : buf;
-            if constexpr (kBlockO) {
-                if (r % 16 == 0) G::gather_o_rows(o, M, Dv, r, orows);
+            if (block_o) {
+                if constexpr (kBlockO)
+                    if (r % 16 == 0) G::gather_o_rows(o, M, Dv, r, orows);
                 const float* src = orows + (r % 16) * Dv;
                 for (int64_t j = 0; j < Dv; ++j) row[j] = src[j] * inv;
             } else {
