@@ -30,10 +30,16 @@ namespace {
 template <class Self, class T_>
 struct Elem8 {
     using T = T_;
+    static constexpr bool kLoad16 = false;  // whether qk reads K 16 codes at a time (load16)
     static __m256 load_part(const T* p, int64_t n) {
         alignas(32) T buf[8] = {};
         std::memcpy(buf, p, size_t(n) * sizeof(T));
         return Self::load(buf);
+    }
+    // 16 values from p: two loads (F8x8 converts all 16 codes with 256-bit integer operations).
+    static void load16(const T* p, __m256& lo, __m256& hi) {
+        lo = Self::load(p);
+        hi = Self::load(p + 8);
     }
 };
 struct F32x8 : Elem8<F32x8, float> {
@@ -67,14 +73,25 @@ struct I8x8 : Elem8<I8x8, int8_t> {
 // negative codes that one AND clears. NaN codes (S.1111.111: the shifted value | 0xc000 is
 // 0xff80) become 0xffff, a float16 NaN, while still 16-bit, not by a float32 blend, whose 16->32-bit
 // mask widening crosses 128-bit lanes (~1.25 cycles on Zen 3). 6 integer operations and the
-// conversion per 8 codes (zero-extension, sign and magnitude apart: 9).
+// conversion per 8 codes (zero-extension, sign and magnitude apart: 9); load16 does the integer
+// part for 16 codes in 256-bit registers (5 operations, a lane extract, two conversions), and
+// both products use it: fp8 decode 1.10-1.14x, then 1.12-1.17x on Zen 3 (bench/RESULTS.md).
 struct F8x8 : Elem8<F8x8, uint8_t> {
     static constexpr bool kCodes = true;
+    static constexpr bool kLoad16 = true;
     static constexpr float kUnit = 256.f;
     static __m256 load(const T* p) {
         const __m128i t = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
         const __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(t, _mm_set1_epi16(int16_t(0xc000))), _mm_set1_epi16(int16_t(0xff80)));
         return _mm256_cvtph_ps(_mm_or_si128(_mm_and_si128(t, _mm_set1_epi16(int16_t(0xbfff))), nan));
+    }
+    static void load16(const T* p, __m256& lo, __m256& hi) {
+        const __m256i t = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+        const __m256i nan = _mm256_cmpeq_epi16(_mm256_or_si256(t, _mm256_set1_epi16(int16_t(0xc000))),
+                                               _mm256_set1_epi16(int16_t(0xff80)));
+        const __m256i h = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi16(int16_t(0xbfff))), nan);
+        lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     }
 };
 
@@ -140,6 +157,34 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
             }
         }
     }
+    // 16 features at d (two qk_chunk steps, same order of sums) with the K codes of a key
+    // converted together (E::load16); q read from memory (8 q vectors would not fit registers).
+    template <bool kOneHead>
+    static inline __attribute__((always_inline)) void qk_chunk16(__m256 (&acc)[KB][RG], const float* qr, int64_t Dp,
+                                                                 int64_t d, const T* const (&kr)[KB], const int64_t* off,
+                                                                 int64_t pf, bool prefetch) {
+#pragma GCC unroll 2
+        for (int i = 0; i < KB; ++i) {
+#pragma GCC unroll 4
+            for (int j = 0; j < RG; ++j) {
+                if (kOneHead && j > 0) continue;
+                const T* at = kr[i] + off[j] + d;
+                if ((prefetch || !kOneHead) && (d * int64_t(sizeof(T))) % 64 == 0 && (j == 0 || off[j] != off[j - 1]))
+                    _mm_prefetch(reinterpret_cast<const char*>(at + pf), _MM_HINT_T1);
+                __m256 k0, k1;
+                E::load16(at, k0, k1);
+                if constexpr (kOneHead) {
+#pragma GCC unroll 4
+                    for (int jj = 0; jj < RG; ++jj)
+                        acc[i][jj] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(qr + jj * Dp + d + 8),
+                                                     _mm256_fmadd_ps(k0, _mm256_loadu_ps(qr + jj * Dp + d), acc[i][jj]));
+                } else {
+                    acc[i][j] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(qr + j * Dp + d + 8),
+                                                _mm256_fmadd_ps(k0, _mm256_loadu_ps(qr + j * Dp + d), acc[i][j]));
+                }
+            }
+        }
+    }
     template <bool kOneHead>
     static void qk_group(const float* qr, int64_t Dp, int64_t D, const T* k, int64_t ldk, const int64_t* off,
                          const Scales& ks, int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
@@ -153,6 +198,8 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
 #pragma GCC unroll 4
                 for (int j = 0; j < RG; ++j) acc[i][j] = _mm256_setzero_ps();
             int64_t d = 0;
+            if constexpr (E::kLoad16)
+                for (; d + 16 <= D; d += 16) qk_chunk16<kOneHead>(acc, qr, Dp, d, kr, off, pf, prefetch);
             for (; d + 8 <= D; d += 8) qk_chunk<kOneHead, false>(acc, qr, Dp, d, D, kr, off, pf, prefetch);
             if (d < D) qk_chunk<kOneHead, true>(acc, qr, Dp, d, D, kr, off, pf, prefetch);
             __m256 total = sums8(&acc[0][0]);  // lane i*RG + j: key c+i, row j
@@ -189,7 +236,13 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
             const float* pc = p + c * ldp;
             if constexpr (kOneHead) {
                 if (prefetch && line) _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[0]), _MM_HINT_T1);
-                const __m256 v0 = load(vr + off[0], 0), v1 = load(vr + off[0], 1);
+                __m256 v0, v1;
+                if constexpr (kPart) {
+                    v0 = load(vr + off[0], 0);
+                    v1 = load(vr + off[0], 1);
+                } else {
+                    E::load16(vr + off[0], v0, v1);
+                }
 #pragma GCC unroll 4
                 for (int i = 0; i < RG; ++i) {
                     const __m256 pr = _mm256_broadcast_ss(pc + i);
@@ -202,8 +255,15 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
                     if (line && (i == 0 || off[i] != off[i - 1]))
                         _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[i]), _MM_HINT_T1);
                     const __m256 pr = _mm256_broadcast_ss(pc + i);
-                    acc[i][0] = _mm256_fmadd_ps(pr, load(vr + off[i], 0), acc[i][0]);
-                    acc[i][1] = _mm256_fmadd_ps(pr, load(vr + off[i], 1), acc[i][1]);
+                    __m256 v0, v1;
+                    if constexpr (kPart) {
+                        v0 = load(vr + off[i], 0);
+                        v1 = load(vr + off[i], 1);
+                    } else {
+                        E::load16(vr + off[i], v0, v1);
+                    }
+                    acc[i][0] = _mm256_fmadd_ps(pr, v0, acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(pr, v1, acc[i][1]);
                 }
             }
         }
