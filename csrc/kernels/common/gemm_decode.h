@@ -56,16 +56,18 @@ struct I8Elem {
 // float8_e4m3fn: the code's exponent and mantissa bits moved up into a float16's (sign to bit
 // 15, the rest from bit 7) give the same number with a float16 bias (15 for 7): 2^-8 times the
 // value, normal and subnormal alike, converted by vcvtph2ps; kUnit = 256 restores it. The NaN
-// codes (S.1111.111, which would read as 480 / 256) become NaN.
+// codes (S.1111.111, which would read as 480 / 256) become NaN. The codes are sign-extended, so
+// one shift by 7 moves both: the sign lands on bit 15 with a stray bit 14 for negative codes,
+// which the AND clears (the NaN test sees S.1111.111 as 0xff80 once bits 15-14 are set).
 struct F8Elem {
     using T = uint8_t;
     static constexpr bool kCodes = true;
     static constexpr float kUnit = 256.f;
     static __m512 convert(__m128i codes) {  // 16 codes
-        const __m256i x = _mm256_cvtepu8_epi16(codes);
-        const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
-        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_xor_si256(x, mag), 8), _mm256_slli_epi16(mag, 7));
-        const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+        const __m256i t = _mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7);
+        const __m256i h = _mm256_and_si256(t, _mm256_set1_epi16(int16_t(0xbfff)));
+        const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_or_si256(t, _mm256_set1_epi16(int16_t(0xc000))),
+                                                      _mm256_set1_epi16(int16_t(0xff80)));
         return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(NAN));
     }
     static __m512 load(const T* p, __mmask16 m) { return convert(_mm_maskz_loadu_epi8(m, p)); }
