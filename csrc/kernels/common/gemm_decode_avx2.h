@@ -227,7 +227,15 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
         for (int i = 0; i < RG; ++i)
 #pragma GCC unroll 2
             for (int t = 0; t < NV; ++t) acc[i][t] = _mm256_loadu_ps(orow + i * n + j + 8 * t);
-        auto load = [&](const T* at, int t) { return kPart ? load_n(at + 8 * t, Dv - j - 8 * t) : E::load(at + 8 * t); };
+        // The 16 columns of V row `at` (kPart: the row's last Dv - j, zeros after).
+        auto load = [&](const T* at, __m256& v0, __m256& v1) {
+            if constexpr (kPart) {
+                v0 = load_n(at, Dv - j);
+                v1 = load_n(at + 8, Dv - j - 8);
+            } else {
+                E::load16(at, v0, v1);
+            }
+        };
         // One prefetch per 64-byte line, spread over the key loop: issued all at once (per key
         // block, in QK and PV) they ran the float32 cache 0.76x as fast on the 2-core Zen 3.
         const bool line = (j * int64_t(sizeof(T))) % 64 == 0;
@@ -237,12 +245,7 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
             if constexpr (kOneHead) {
                 if (prefetch && line) _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[0]), _MM_HINT_T1);
                 __m256 v0, v1;
-                if constexpr (kPart) {
-                    v0 = load(vr + off[0], 0);
-                    v1 = load(vr + off[0], 1);
-                } else {
-                    E::load16(vr + off[0], v0, v1);
-                }
+                load(vr + off[0], v0, v1);
 #pragma GCC unroll 4
                 for (int i = 0; i < RG; ++i) {
                     const __m256 pr = _mm256_broadcast_ss(pc + i);
@@ -256,12 +259,7 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
                         _mm_prefetch(reinterpret_cast<const char*>(vr + pf + off[i]), _MM_HINT_T1);
                     const __m256 pr = _mm256_broadcast_ss(pc + i);
                     __m256 v0, v1;
-                    if constexpr (kPart) {
-                        v0 = load(vr + off[i], 0);
-                        v1 = load(vr + off[i], 1);
-                    } else {
-                        E::load16(vr + off[i], v0, v1);
-                    }
+                    load(vr + off[i], v0, v1);
                     acc[i][0] = _mm256_fmadd_ps(pr, v0, acc[i][0]);
                     acc[i][1] = _mm256_fmadd_ps(pr, v1, acc[i][1]);
                 }
