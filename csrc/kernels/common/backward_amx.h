@@ -102,6 +102,7 @@ struct AmxProducts {
     static constexpr int64_t BC = V512::BC;
     static constexpr int64_t kGroupRows = V512::MAX_ROWS;
     static constexpr int64_t kRowAlign = 32, kFeatureAlign = 32, kKeyPad = 32;
+    static constexpr int kUpdateBlocks = 1;  // one row block per update (backward_loop.h F32Products)
     static int64_t dq_features(int64_t D) { return round_up(D, 32); }
     static_assert(RB % 32 == 0 && kGroupRows % RB == 0 && BC % 32 == 0, "whole 2 x 2 tile blocks");
 

@@ -108,6 +108,7 @@ struct Bf16Products {
     static constexpr int64_t BC = V512::BC;
     static constexpr int64_t kGroupRows = V512::MAX_ROWS;
     static constexpr int64_t kRowAlign = W, kFeatureAlign = W, kKeyPad = 0;  // backward_loop.h F32Products
+    static constexpr int kUpdateBlocks = 1;  // one row block per update (backward_loop.h F32Products)
     static int64_t dq_features(int64_t D) { return D; }
     static_assert(RB % 2 == 0 && kGroupRows % 2 == 0, "row pairs never straddle a row block");
 

@@ -39,12 +39,15 @@
 //   lse2, delta, slope [GR]: log2-domain LSE (+inf: the row contributes nothing), D_i =
 //                        rowsum(dO o O), alibi slope * log2(e)
 //   first_key, last_key, diagonal [GR] int64: visible keys of the row within [kb, ke), its diagonal
-//   s, dp [BC][RB]: S then P, dP then dS, of one row block (key c, row lane r at c*RB + r)
+//   s, dp [P::kUpdateBlocks][BC][RB]: S then P, dP then dS, of up to kUpdateBlocks row blocks of
+//                        one key range (key c, row lane r of the block at c*RB + r of its slot)
 //
 // Per (key tile, row block) with visible keys, on the sub-range [cb, ce) of keys some row of the
 // block sees: S^T = K Q^T, dP^T = V dO^T; P = exp2(scale' s - lse2), dS = scale P (dP - D_i)
 // (times 1 - tanh^2 with softcap), both exactly 0 outside each row's visible range; then
-// dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T. No Nq x Nk buffer exists.
+// dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T, the updates once per run of up to
+// P::kUpdateBlocks consecutive row blocks that see the same keys (the dV / dK reduction over
+// rows continues across the run's blocks; same bits as block by block). No Nq x Nk buffer exists.
 #pragma once
 #include <type_traits>
 
@@ -76,6 +79,7 @@ struct Carver {
 template <class V>
 struct F32Products {
     using G = F32Gemm<V>;
+    using vec = typename V::vec;
     static constexpr int W = V::W;
     static constexpr int RB = G::RB;
     static constexpr int64_t kGroupRows = V::MAX_ROWS;
@@ -88,6 +92,17 @@ struct F32Products {
     // as many, NJ feature vectors x kAcc/NJ keys (V512: 4 x 6 at D = 128, + 4 loads + 1 broadcast).
     static constexpr int kAcc = V::RV * V::NK;
     static constexpr int kMaxNJ = V::RV;
+    // Row blocks whose P / dS one dV / dK update reduces over (the loop scores up to this many
+    // consecutive blocks of one key range, then updates once): the dV / dK accumulators are
+    // loaded and stored once per kUpdateBlocks * RB rows. With avx2's RB = 16 they were loaded
+    // and stored every 16 rows and dV / dK ran ~1.25x slower per product than the scores (phase
+    // timers, Zen 3); a harness of the micro-kernel alone: 28-32 flop/tick at 16 rows per call,
+    // 36 at 32, 38-40 at 128. Whole backward, Zen 3, 1 thread: 1.04-1.05x at 128 rows, 1.02-1.06
+    // at 64, 1.02 at 32 (bench/RESULTS.md, session 32). V512 (RB = 96) keeps one block.
+#ifndef FA2CPU_BWD_UPDATE_ROWS
+#define FA2CPU_BWD_UPDATE_ROWS 128
+#endif
+    static constexpr int kUpdateBlocks = RB >= FA2CPU_BWD_UPDATE_ROWS ? 1 : FA2CPU_BWD_UPDATE_ROWS / RB;
 
     // kall [nkeys][ldq], vall [nkeys][ldo]: the item's K / V, float32 row-major
     // qT panels [D][RB]: Q transposed per row block (rows in lanes: S^T = K Q^T)
@@ -160,20 +175,48 @@ struct F32Products {
         G::template qk_nv<kMaxHeadDim>(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
         G::template qk_nv<kMaxHeadDim>(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
     }
+    // The updates of `rows` rows from r0 (row blocks of RB rows; the last has nv vectors), whose P
+    // and dS lie in s / dp, one block per kSlot floats.
     static void updates(Bufs& x, int nv, int64_t r0, int64_t rows, int64_t ck, int64_t n, int64_t D, const float* s,
                         const float* dp, float* dkall, float* dvall, float* dqT) {
         tn(n, rows, s, x.dor + r0 * x.ldo, x.ldo, x.ldo / W, dvall + ck * x.ldo, x.ldo);
         tn(n, rows, dp, x.qr + r0 * x.ldq, x.ldq, x.ldq / W, dkall + ck * x.ldq, x.ldq);
-        G::pv_nv(nv, dp, n, x.kall + ck * x.ldq, x.ldq, D, dqT + r0 * D, RB);
+        for (int64_t b0 = 0; b0 < rows; b0 += RB)
+            G::pv_nv(b0 + RB < rows ? V::RV : nv, dp + b0 / RB * kSlot, n, x.kall + ck * x.ldq, x.ldq, D,
+                     dqT + (r0 + b0) * D, RB);
     }
+    static constexpr int64_t kSlot = G::BC * RB;  // floats of one row block's P (or dS): [BC][RB]
 
     // ---- dV += P^T dO / dK += dS^T Q: features in lanes, P / dS broadcast -----------------------
-    // acc[c*lda + j*W + lane] += sum_{r < rows} pt[c*RB + r] * x[r*ldx + j*W + lane],  c < NC, j < NJ:
-    // the forward's P V micro-kernel with X in the role of P (row stride ldx) and P^T in the role
-    // of V (keys RB apart).
+    // acc[c*lda + j*W + lane] += sum_{r < rows} pt[r / RB * kSlot + c*RB + r % RB] * x[r*ldx + j*W + lane]
+    // for c < NC, j < NJ: the forward's P V micro-kernel (gemm_f32.h pv_micro) with X in the role
+    // of P (row stride ldx) and P^T in the role of V (keys RB apart), its reduction continued
+    // across row blocks.
     template <int NC, int NJ>
     static inline void tn_micro(const float* pt, int64_t rows, const float* x, int64_t ldx, float* acc, int64_t lda) {
-        G::template pv_micro<NJ, NC, RB>(x, rows, pt, 1, acc, lda, ldx);
+        vec a[NJ][NC];
+#pragma GCC unroll 24
+        for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 24
+            for (int j = 0; j < NJ; ++j) a[j][c] = V::load(acc + c * lda + j * W);
+        for (int64_t b0 = 0; b0 < rows; b0 += RB, pt += kSlot) {
+            const int64_t nr = rows - b0 < RB ? rows - b0 : RB;
+            for (int64_t r = 0; r < nr; ++r) {
+                vec xr[NJ];
+#pragma GCC unroll 24
+                for (int j = 0; j < NJ; ++j) xr[j] = V::load(x + (b0 + r) * ldx + j * W);
+#pragma GCC unroll 24
+                for (int c = 0; c < NC; ++c) {
+                    const vec pb = V::set1(pt[c * RB + r]);
+#pragma GCC unroll 24
+                    for (int j = 0; j < NJ; ++j) a[j][c] = V::fma(xr[j], pb, a[j][c]);
+                }
+            }
+        }
+#pragma GCC unroll 24
+        for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 24
+            for (int j = 0; j < NJ; ++j) V::store(acc + c * lda + j * W, a[j][c]);
     }
     // n keys in blocks of kAcc/NJ, the remainder in pairs, then one key.
     template <int NJ>
@@ -213,6 +256,7 @@ struct BackwardLoop {
     static constexpr int RV = RB / W;           // row vectors per row block
     static constexpr int64_t BC = F32Gemm<V>::BC;
     static constexpr int64_t kGroupRows = P::kGroupRows;
+    static constexpr int64_t kSlot = BC * RB;  // floats of one row block's S / P (or dP / dS): [BC][RB]
     static_assert(RB % W == 0 && kGroupRows % RB == 0, "row groups are whole row blocks of whole vectors");
     static_assert(P::kRowAlign % W == 0 && RB % P::kRowAlign == 0, "padded rows stay whole vectors of a block");
 
@@ -239,8 +283,8 @@ struct BackwardLoop {
         L.first_key = take(2 * kGroupRows);  // int64
         L.last_key = take(2 * kGroupRows);
         L.diagonal = take(2 * kGroupRows);
-        L.s = take(BC * RB);
-        L.dp = take(BC * RB);
+        L.s = take(P::kUpdateBlocks * kSlot);
+        L.dp = take(P::kUpdateBlocks * kSlot);
         L.total = o;
         return L;
     }
@@ -328,6 +372,16 @@ struct BackwardLoop {
 
             for (int64_t c0 = glo; c0 <= ghi; c0 += BC) {
                 const int64_t nc = ghi + 1 - c0 < BC ? ghi + 1 - c0 : BC;
+                // A run: consecutive row blocks [run_r0, run_end) of one key range [run_cb,
+                // run_cb + run_n), at most kUpdateBlocks, scored into consecutive slots of s / dp
+                // and updated at once.
+                int64_t run_r0 = 0, run_end = 0, run_cb = 0, run_n = 0;
+                int run_blocks = 0, run_nv = 0;
+                auto flush = [&] {
+                    if (run_blocks)
+                        P::updates(ops, run_nv, run_r0, run_end - run_r0, run_cb - it.kb, run_n, D, s, dp, dkall, dvall, dqT);
+                    run_blocks = 0;
+                };
                 for (int64_t r0 = 0; r0 < M; r0 += RB) {
                     const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                     const int64_t rend = (r0 + nv * W < GRr) ? r0 + nv * W : GRr;
@@ -335,13 +389,20 @@ struct BackwardLoop {
                     const BlockKeys bk = block_keys(first_key, last_key, r0, rend);
                     const int64_t cb = bk.lo > c0 ? bk.lo : c0;
                     const int64_t ce = (bk.hi < c0 + nc - 1 ? bk.hi : c0 + nc - 1) + 1;
+                    if (run_blocks && (cb != run_cb || ce - cb != run_n || run_blocks == P::kUpdateBlocks)) flush();
                     if (cb >= ce) continue;
                     const int64_t n = ce - cb, ck = cb - it.kb;  // ck: index of key cb in the item's arrays
                     const bool range_mask = bk.lo_max > cb || bk.hi_min < ce - 1;
-                    P::scores(ops, nv, r0, ck, n, D, Dv, s, dp);
-                    gradients(ops, p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, s, dp);
-                    P::updates(ops, nv, r0, rend - r0, ck, n, D, s, dp, dkall, dvall, dqT);
+                    if (!run_blocks) { run_r0 = r0; run_cb = cb; run_n = n; }
+                    float* sb = s + run_blocks * kSlot;
+                    float* dpb = dp + run_blocks * kSlot;
+                    P::scores(ops, nv, r0, ck, n, D, Dv, sb, dpb);
+                    gradients(ops, p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, sb, dpb);
+                    run_end = rend;
+                    run_nv = nv;
+                    ++run_blocks;
                 }
+                flush();
             }
             store_dq(bp, it, g0, GRr, dqT, dq_part);
         }
