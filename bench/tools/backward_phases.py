@@ -9,7 +9,8 @@ Also prints our backward and forward times. Session 27.
     PYTHONPATH=/tmp/pt python bench/tools/backward_phases.py DTYPE THREADS HEADS N REPS
 
 Phases: 0 dK / dV rows stored, 1 row packing (Q, dO, D_i, LSE, panels), 2 the two score products,
-3 the softmax gradient, 4 the three update products, 5 K / V packing, 7 dq stored (6 unused). The
+3 the softmax gradient, 4 the three update products (also split into dV / dK / dQ on its own
+line for F32Products, session 32), 5 K / V packing, 7 dq stored (6 unused). The
 patch also carries two experiment knobs: FA2CPU_ROWPAD (pad the row-major Q / dO rows) and
 FA2CPU_BWD_MAXNJ (feature vectors per dV / dK micro-tile), both measured no better on the Zen 4.
 """
