@@ -15,17 +15,54 @@ float32 after the kernels' log2(e) scaling; thread counts are capped at the usab
 import math
 import numbers
 
-import ml_dtypes
 import numpy as np
 
 from . import _core
 
+
+class _DtypeTable(dict):
+    """dtype -> value, whose ml_dtypes entries are added the first time a dtype of that name is
+    looked up: `import ml_dtypes` costs ~1 s with NumPy 2.4 (its ufunc loops' registration), and an
+    array of an ml_dtypes dtype means ml_dtypes is imported already, so `import fa2cpu` need not
+    import it. Lookups of the dtypes present cost what a dict's do (get / in / [] of a hit run the
+    dict's own code first)."""
+
+    def __init__(self, items, lazy):
+        super().__init__(items)
+        self._lazy = lazy  # ml_dtypes attribute name -> value
+
+    def _load(self, dt):
+        name = getattr(dt, "name", None)
+        if name not in self._lazy:
+            return False
+        import ml_dtypes
+        ref = np.dtype(getattr(ml_dtypes, name))
+        if dt != ref:
+            return False
+        self[ref] = self._lazy[name]
+        return True
+
+    def __missing__(self, dt):
+        if self._load(dt):
+            return dict.__getitem__(self, dt)
+        raise KeyError(dt)
+
+    def get(self, dt, default=None):
+        v = dict.get(self, dt, self)
+        if v is not self:
+            return v
+        return dict.__getitem__(self, dt) if self._load(dt) else default
+
+    def __contains__(self, dt):
+        return dict.__contains__(self, dt) or self._load(dt)
+
+
 # dtype -> code of the C++ DType enum (csrc/include/fa2cpu/fa2cpu.h)
-_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}
+_DTYPES = _DtypeTable({np.dtype(np.float32): 0, np.dtype(np.float16): 1}, {"bfloat16": 2})
 _ACCEPTED = "float32, float16 or ml_dtypes.bfloat16"
 # Quantized KV caches (API.md, "Quantized cache"): code dtype -> (C++ DType code, largest code).
-_CODES = {np.dtype(np.int8): (_core.DTYPE_CODES["int8"], 127.0),
-          np.dtype(ml_dtypes.float8_e4m3fn): (_core.DTYPE_CODES["float8_e4m3fn"], 448.0)}
+_CODES = _DtypeTable({np.dtype(np.int8): (_core.DTYPE_CODES["int8"], 127.0)},
+                     {"float8_e4m3fn": (_core.DTYPE_CODES["float8_e4m3fn"], 448.0)})
 MAX_HEAD_DIM = 256  # kMaxHeadDim in csrc/include/fa2cpu/fa2cpu.h
 
 # Float limits. The kernels work in the log2 domain: scale, mask values and ALiBi slopes are
@@ -287,7 +324,7 @@ def _mask(mask, shape):
     m = _array("mask", mask)
     if m.dtype == np.bool_:
         kind = 1
-    elif m.dtype.kind == "f" or m.dtype == ml_dtypes.bfloat16:
+    elif m.dtype.kind == "f" or m.dtype.name == "bfloat16" and _DTYPES.get(m.dtype) == 2:
         kind = 2
         # Checked and converted at the mask's own size: axes the caller broadcast (stride 0) stay so.
         compact = m[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(m.strides, m.shape))]

@@ -11,7 +11,6 @@ work on torch's OpenMP threads (see _use_torch_threads).
 import os
 import weakref
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -47,8 +46,19 @@ def _use_torch_threads():
 if os.environ.get("FA2CPU_PARALLEL", "").strip().lower() != "pool":
     _use_torch_threads()
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
-_F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _ml_dtypes():
+    """(bfloat16, float8_e4m3fn) as NumPy dtypes, imported on the first tensor of either dtype
+    (`import ml_dtypes` costs ~1 s with NumPy 2.4: not at `import fa2cpu.torch`)."""
+    global _ML
+    if _ML is None:
+        import ml_dtypes
+        _ML = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+    return _ML
+
+
+_ML = None
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)   # the kernels' dtypes
 _CODES = {t: _core.DTYPE_CODES[str(t).split(".")[1]] for t in _FLOATS + (torch.int8, torch.float8_e4m3fn)}  # -> DType
 _ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
@@ -70,9 +80,9 @@ def _np(name, t):
     if t.requires_grad:
         t = t.detach()
     if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(_BF16)
+        return t.view(torch.int16).numpy().view(_ml_dtypes()[0])
     if t.dtype is torch.float8_e4m3fn:
-        return t.view(torch.uint8).numpy().view(_F8)
+        return t.view(torch.uint8).numpy().view(_ml_dtypes()[1])
     try:
         return t.numpy()
     except TypeError:  # a dtype NumPy cannot view (other float8 kinds, complex32, ...)
@@ -86,9 +96,10 @@ def _np_opt(name, t):
 
 def _tensor(a):
     """Tensor sharing the memory of the NumPy array ``a`` (bfloat16 through int16)."""
-    if a.dtype is _BF16 or a.dtype == _BF16:
+    name = a.dtype.name
+    if name == "bfloat16" and a.dtype == _ml_dtypes()[0]:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    if a.dtype == _F8:
+    if name == "float8_e4m3fn" and a.dtype == _ml_dtypes()[1]:
         return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
     return torch.from_numpy(a)
 
@@ -159,7 +170,6 @@ _TYPESTR = {torch.float32: np.dtype(np.float32).str, torch.float16: np.dtype(np.
             torch.bfloat16: np.dtype(np.int16).str,       # bfloat16: int16 items, re-typed below
             torch.int8: np.dtype(np.int8).str,            # quantized caches' codes
             torch.float8_e4m3fn: np.dtype(np.uint8).str}  # float8: uint8 items, re-typed below
-_RETYPE = {torch.bfloat16: _BF16, torch.float8_e4m3fn: _F8}
 
 # id(cache tensor) -> [weakref, data_ptr, shape, stride, dtype, NumPy view or None]. KV caches
 # are long-lived: a tensor seen a second time gets a view made once (a bfloat16 view costs ~3 us
@@ -194,7 +204,7 @@ def _cache_view(name, t):
                                   "strides": tuple(step * item_size for step in stride),
                                   "typestr": _TYPESTR[dtype], "version": 3}
     view = np.asarray(memory)
-    if dtype in _RETYPE:
-        view = view.view(_RETYPE[dtype])
+    if dtype is torch.bfloat16 or dtype is torch.float8_e4m3fn:
+        view = view.view(_ml_dtypes()[dtype is torch.float8_e4m3fn])
     entry[1:] = pointer, shape, stride, dtype, view
     return view

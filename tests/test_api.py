@@ -135,3 +135,37 @@ def test_signature(name):
     assert got[:len(want)] == want
     assert all(kind == K for _, kind, _ in got[len(want):])
     assert getattr(fa2cpu, name).__doc__, "public functions need a docstring"
+
+
+def test_import_fa2cpu_does_not_import_ml_dtypes_and_bfloat16_still_works():
+    # `import ml_dtypes` costs ~1 s with NumPy 2.4; fa2cpu loads its dtypes on the first array of
+    # one (an ml_dtypes array exists only once ml_dtypes is imported). The same process then runs
+    # bfloat16 and a float8 cache through the checks that look those dtypes up.
+    res = run_python("""
+        import sys
+        import numpy as np
+        import fa2cpu
+        assert "ml_dtypes" not in sys.modules, "import fa2cpu imported ml_dtypes"
+        import ml_dtypes
+        from fa2cpu._reference import attention_ref
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal((1, 5, 2, 8)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        out = fa2cpu.flash_attention(q, k, v, causal=True)
+        assert out.dtype == ml_dtypes.bfloat16
+        ref = attention_ref(q, k, v, causal=True)[0]
+        assert np.abs(out.astype(np.float64) - ref).max() < 2e-2
+        mask = np.zeros((2, 2), ml_dtypes.bfloat16)
+        out2 = fa2cpu.flash_attention(q, k, v, mask=mask)
+        assert np.abs(out2.astype(np.float64) - attention_ref(q, k, v, mask=mask)[0]).max() < 2e-2
+        kc = np.zeros((1, 8, 2, 8), ml_dtypes.float8_e4m3fn)
+        vc = np.zeros((1, 8, 2, 8), ml_dtypes.float8_e4m3fn)
+        ks, vs = np.zeros((1, 8, 2), np.float32), np.zeros((1, 8, 2), np.float32)
+        kn = rng.standard_normal((1, 3, 2, 8)).astype(ml_dtypes.bfloat16)
+        vn = rng.standard_normal((1, 3, 2, 8)).astype(ml_dtypes.bfloat16)
+        qd = rng.standard_normal((1, 1, 2, 8)).astype(ml_dtypes.bfloat16)
+        o = fa2cpu.flash_attention_with_kvcache(qd, kc, vc, k=kn, v=vn, k_scale=ks, v_scale=vs,
+                                                cache_seqlens=np.zeros(1, np.int32))
+        assert np.any(kc.view(np.uint8) != 0) and np.isfinite(o.astype(np.float32)).all()
+        print("ok")
+    """)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
