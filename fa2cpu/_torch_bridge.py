@@ -47,7 +47,6 @@ if os.environ.get("FA2CPU_PARALLEL", "").strip().lower() != "pool":
     _use_torch_threads()
 
 
-
 def _ml_dtypes():
     """(bfloat16, float8_e4m3fn) as NumPy dtypes, imported on the first tensor of either dtype
     (`import ml_dtypes` costs ~1 s with NumPy 2.4: not at `import fa2cpu.torch`)."""

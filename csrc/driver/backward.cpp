@@ -191,9 +191,9 @@ void run_item_on_thread(int64_t i, void* c) {
         x.failed.store(1, std::memory_order_relaxed);  // backward() returns 1: MemoryError
 }
 
-// The dq partials: `bytes` of fresh memory per call (cached, they would hold O(N * D) floats per
-// split between calls). Large buffers ask Linux for 2 MB pages (madvise; granted where the
-// kernel's transparent huge pages allow it), so the items' first writes fault 512 times less often.
+// The dq partials: `bytes` of fresh memory per call (not kept between calls: they are O(N * D)
+// floats per split). Large buffers ask Linux for 2 MB pages (madvise; granted where the kernel's
+// transparent huge pages allow it), so the items' first writes fault 512 times less often.
 float* alloc_partials(size_t bytes) {
     constexpr size_t kHuge = size_t(2) << 20;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
