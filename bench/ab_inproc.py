@@ -4,12 +4,14 @@ their calls alternate, so a noisy machine's drift hits both alike (processes alt
 bench/ab.sh cannot remove drift within a run). Prints the median of each and base / new (> 1: the
 second build is faster) and the largest difference between their outputs.
 
-    PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS HEADS N CAUSAL(0|1) DTYPE REPS
+    PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS HEADS N CAUSAL(0|1) DTYPE REPS [LAYOUT [HK [NQ]]]
     PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS decode CACHE REPS
     PYTHONPATH=$PWD python bench/ab_inproc.py BASE_PKG NEW_PKG THREADS backward HEADS N CAUSAL DTYPE REPS
 
 e.g. `PYTHONPATH=$PWD python bench/ab_inproc.py /tmp/base/fa2cpu fa2cpu 1 4 2048 0 fp32 9` (B=1,
 D=128; DTYPE and the FLOP count as fa2cpu-bench takes them, from the checkout's fa2cpu.bench).
+LAYOUT bshd passes contiguous (B, N, H, D) arrays (default bhsd), HK kv heads (default HEADS),
+NQ query rows (default N; causal then bottom-right aligned, as the API's).
 The decode form times `flash_attention_with_kvcache` on issue 13's case (B=16 Hq=32 Hk=8
 Nk=8192 D=128, bf16 q) with a CACHE of bf16, fp32, int8 or fp8 (uniform codes, scales U(0, 0.02)).
 The backward form times flash_attention_backward alone (from the base build's forward out / lse;
@@ -94,21 +96,30 @@ def main():
 def main_prefill(mods, argv, backward=False):
     threads, heads, n = (int(x) for x in argv[:3])
     causal, dtype, reps = argv[3] == "1", dtype_name(argv[4]), int(argv[5])
+    layout = argv[6] if len(argv) > 6 else "bhsd"
+    hk = int(argv[7]) if len(argv) > 7 else heads
+    nq = int(argv[8]) if len(argv) > 8 else n
     rng = np.random.default_rng(0)
-    q, k, v, do = (rng.standard_normal((1, heads, n, 128), dtype=np.float32).astype(DTYPES[dtype]) for _ in range(4))
+    q, do = (rng.standard_normal((1, heads, nq, 128), dtype=np.float32).astype(DTYPES[dtype]) for _ in range(2))
+    k, v = (rng.standard_normal((1, hk, n, 128), dtype=np.float32).astype(DTYPES[dtype]) for _ in range(2))
+    if layout == "bshd":  # contiguous (B, N, H, D) arrays: rows H * D apart
+        q, k, v, do = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, do))
     if backward:
         out, lse = mods["base"].flash_attention(q, k, v, causal=causal, return_lse=True, num_threads=threads)
 
         def call(m):
-            dq, dk, dv = m.flash_attention_backward(do, q, k, v, out, lse, causal=causal, num_threads=threads)
+            dq, dk, dv = m.flash_attention_backward(do, q, k, v, out, lse, causal=causal, layout=layout,
+                                                    num_threads=threads)
             return np.concatenate([x.astype(np.float64).ravel() for x in (dq, dk, dv)])
     else:
         def call(m):
-            return m.flash_attention(q, k, v, causal=causal, num_threads=threads)
+            return m.flash_attention(q, k, v, causal=causal, layout=layout, num_threads=threads)
     outs, med = alternate(mods, call, reps)
-    flops = (10 if backward else 4) * heads * visible_pairs(n, n, causal) * 128
+    flops = (10 if backward else 4) * heads * visible_pairs(nq, n, causal) * 128
     mb, mn = med["base"], med["new"]
-    print(f"{'backward ' if backward else ''}{dtype} T={threads} H={heads} N={n} causal={causal}: base {mb * 1e3:.1f} ms {flops / mb / 1e9:.1f} GF/s, "
+    shape = f"H={heads} N={n}" + (f" {layout}" if layout != "bhsd" else "") + (f" Hk={hk}" if hk != heads else "") + \
+        (f" Nq={nq}" if nq != n else "")
+    print(f"{'backward ' if backward else ''}{dtype} T={threads} {shape} causal={causal}: base {mb * 1e3:.1f} ms {flops / mb / 1e9:.1f} GF/s, "
           f"new {mn * 1e3:.1f} ms {flops / mn / 1e9:.1f} GF/s, base/new {mb / mn:.3f}; "
           f"max|diff| {np.abs(outs['base'] - outs['new']).max():.2e}")
 
