@@ -54,21 +54,21 @@ struct F32Gemm : TransposedO<V> {
     // K/V tile of nc rows from key position c0: read in place when float32 with unit feature
     // stride and not paged, else packed row-major (strides, paging, dtype conversion end here).
     // Float32 rows that lie apart (row stride != n: a bshd array or cache, rows Hk x n apart) are
-    // packed too when sequence b fills whole items (>= kMaxRows query rows per kv head): in place,
-    // every line of a row maps to the cache sets of that line in every other row (rows 4 KB apart
-    // share one L1 set), and the micro-kernels, which re-read the tile per row block, ran 1.07x /
-    // 1.13x / 1.19x slower at H = 2 / 4 / 8 than on contiguous rows (fp32, Zen 3, one thread, B=1
-    // N=2048). Packed privately (packs_k / packs_v stay false for them: shared tiles change the
-    // items' order, which cost more here), each item copies its tiles: 1.03-1.10x faster for full
-    // items, 0.97x for 64-row ones, which stay in place (bench/RESULTS.md, session 33).
+    // packed too when sequence b fills whole items (>= kMaxRows query rows per kv head), and then
+    // shared by the kv head's items: in place, every line of a row maps to the cache sets of that
+    // line in every other row (rows 4 KB apart share one L1 set), and the micro-kernels, which
+    // re-read the tile per row block, ran 1.07x / 1.13x / 1.19x slower at H = 2 / 4 / 8 than on
+    // contiguous rows (fp32, Zen 3, one thread, B=1 N=2048). Packed: 1.09-1.16x faster at full
+    // items; items of 64 rows (one per head: nothing shared, each would copy its tiles) read 0.97x
+    // packed, so they stay in place (bench/RESULTS.md, session 33).
     static bool contiguous_rows(const Params& p, int64_t dim_stride) {
         return DType(p.dtype) == DType::f32 && dim_stride == 1 && !p.block_table;
     }
     static bool in_place(const Params& p, int64_t b, int64_t row_stride, int64_t dim_stride, int64_t n) {
         return contiguous_rows(p, dim_stride) && (row_stride == n || (p.hq / p.hk) * seq_nq(p, b) < kMaxRows);
     }
-    static bool packs_k(const Params& p) { return !contiguous_rows(p, p.k_dim_stride); }
-    static bool packs_v(const Params& p) { return !contiguous_rows(p, p.v_dim_stride); }
+    static bool packs_k(const Params& p) { return !contiguous_rows(p, p.k_dim_stride) || p.k_row_stride != p.d; }
+    static bool packs_v(const Params& p) { return !contiguous_rows(p, p.v_dim_stride) || p.v_row_stride != p.dv; }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.d, b, c0, nc, head, buf);
     }
