@@ -14,9 +14,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "../dispatch/registry.h"
 #include "../kernels/common/kernel.h"
@@ -191,22 +188,6 @@ void run_item_on_thread(int64_t i, void* c) {
         x.failed.store(1, std::memory_order_relaxed);  // backward() returns 1: MemoryError
 }
 
-// The dq partials: `bytes` of fresh memory per call (not kept between calls: they are O(N * D)
-// floats per split). Large buffers ask Linux for 2 MB pages (madvise; granted where the kernel's
-// transparent huge pages allow it), so the items' first writes fault 512 times less often.
-float* alloc_partials(size_t bytes) {
-    constexpr size_t kHuge = size_t(2) << 20;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (bytes >= 4 * kHuge) {
-        const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
-        void* p = std::aligned_alloc(kHuge, size);
-        if (p) madvise(p, size, MADV_HUGEPAGE);  // advice only: a refusal leaves 4 KB pages
-        return static_cast<float*>(p);
-    }
-#endif
-    return static_cast<float*>(std::malloc(bytes));
-}
-
 void reduce_on_thread(int64_t g, void* c) {
     RunCtx& x = *static_cast<RunCtx*>(c);
     reduce_group(*x.p, *x.plan, x.plan->groups[size_t(g)], x.part);
@@ -222,10 +203,11 @@ int backward(const BackwardParams& bp) {
     const int threads = std::max(1, std::min(p.num_threads, max_useful_threads()));
     const Plan plan = make_plan(bp, K);
     if (plan.items.empty()) return 0;
-    // dq partials of split kv heads (kernel.h BackwardItem::part), float32 row-major per item.
+    // dq partials of split kv heads (kernel.h BackwardItem::part), float32 row-major per item:
+    // fresh memory per call, not kept (O(N * D) floats per split).
     float* part = nullptr;
     if (plan.part_floats > 0) {
-        part = alloc_partials(size_t(plan.part_floats) * sizeof(float));
+        part = alloc_large(size_t(plan.part_floats) * sizeof(float));
         if (!part) return 1;
     }
     RunCtx ctx;

@@ -15,6 +15,9 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "../dispatch/registry.h"
 #include "../kernels/common/kernel.h"
@@ -42,6 +45,19 @@ thread_local ThreadScratch tls_scratch;
 }  // namespace
 
 float* thread_scratch(int64_t floats) { return tls_scratch.get(floats); }
+
+float* alloc_large(size_t bytes) {
+    constexpr size_t kHuge = size_t(2) << 20;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= 4 * kHuge) {
+        const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
+        void* p = std::aligned_alloc(kHuge, size);
+        if (p) madvise(p, size, MADV_HUGEPAGE);  // advice only: a refusal leaves 4 KB pages
+        return static_cast<float*>(p);
+    }
+#endif
+    return static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+}
 
 void check_params(const Params& p, const char* entry) {
     auto fail = [entry](const std::string& what) { throw std::invalid_argument(std::string("fa2cpu::") + entry + ": " + what); };
@@ -372,7 +388,7 @@ struct ThreadFloats {
     float* reserve(int64_t n) {
         if (n <= floats) return data;
         std::free(data);
-        data = static_cast<float*>(std::aligned_alloc(64, size_t(round_up(n, 16)) * 4));
+        data = alloc_large(size_t(round_up(n, 16)) * 4);
         floats = data ? n : 0;
         return data;
     }

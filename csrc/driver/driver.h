@@ -16,4 +16,11 @@ void check_params(const Params& p, const char* entry);
 // (the pool keeps its threads alive); nullptr when it cannot be allocated.
 float* thread_scratch(int64_t floats);
 
+// `bytes` of memory (64-byte aligned; nullptr when it cannot be allocated; free with std::free)
+// for a call's large buffers (the backward's dq partials, the forward's shared K/V tiles). From
+// 8 MB on they are 2 MB-aligned and Linux is asked for 2 MB pages (madvise; granted where the
+// kernel's transparent huge pages allow it), so the first writes of fresh memory fault 512 times
+// less often.
+float* alloc_large(size_t bytes);
+
 }  // namespace fa2cpu
