@@ -20,6 +20,15 @@ import numpy as np
 from . import _core
 
 
+def ml_dtype(name):
+    """np.dtype of ``ml_dtypes.<name>``, importing ml_dtypes on first use: `import ml_dtypes` costs
+    ~1 s with NumPy 2.4 (its ufunc loops' registration), so neither `import fa2cpu` nor
+    `import fa2cpu.torch` does it (see _DtypeTable)."""
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name))
+
+
 class _DtypeTable(dict):
     """dtype -> value, whose ml_dtypes entries are added the first time a dtype of that name is
     looked up: `import ml_dtypes` costs ~1 s with NumPy 2.4 (its ufunc loops' registration), and an
@@ -35,8 +44,7 @@ class _DtypeTable(dict):
         name = getattr(dt, "name", None)
         if name not in self._lazy:
             return False
-        import ml_dtypes
-        ref = np.dtype(getattr(ml_dtypes, name))
+        ref = ml_dtype(name)
         if dt != ref:
             return False
         self[ref] = self._lazy[name]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import _core
-from ._checks import _f32_real, _int, _window_pair
+from ._checks import _f32_real, _int, _window_pair, ml_dtype
 
 # Inside PyTorch, run fa2cpu's parallel work on torch's threads: torch and fa2cpu share the
 # process's one libgomp (same soname), and torch's OpenMP threads keep spinning for milliseconds
@@ -48,12 +48,11 @@ if os.environ.get("FA2CPU_PARALLEL", "").strip().lower() != "pool":
 
 
 def _ml_dtypes():
-    """(bfloat16, float8_e4m3fn) as NumPy dtypes, imported on the first tensor of either dtype
-    (`import ml_dtypes` costs ~1 s with NumPy 2.4: not at `import fa2cpu.torch`)."""
+    """(bfloat16, float8_e4m3fn) as NumPy dtypes, looked up on the first tensor of either dtype
+    (_checks.ml_dtype: ml_dtypes is imported then, not at `import fa2cpu.torch`)."""
     global _ML
     if _ML is None:
-        import ml_dtypes
-        _ML = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+        _ML = ml_dtype("bfloat16"), ml_dtype("float8_e4m3fn")
     return _ML
 
 
