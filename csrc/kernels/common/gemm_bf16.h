@@ -56,17 +56,25 @@ struct Bf16Gemm : TransposedO<V> {
         for (int64_t t = 0; 2 * t < D; ++t) q[t * M + r] = 0;
     }
 
-    static bool packs_k(const Params& p) { return !(p.k_dim_stride == 1 && p.d % 2 == 0 && !p.block_table); }
+    // K is read in place as bf16 pairs when its rows are (unit feature stride, even D, not paged)
+    // and lie together (rows D apart), or when sequence b fills no whole item; else packed, and
+    // shared by the kv head's items: the rule, and why, of F32Gemm::in_place (gemm_f32.h).
+    static bool k_pairs(const Params& p) { return p.k_dim_stride == 1 && p.d % 2 == 0 && !p.block_table; }
+    static bool k_in_place(const Params& p, int64_t b) {
+        return k_pairs(p) && (p.k_row_stride == p.d || (p.hq / p.hk) * seq_nq(p, b) < kMaxRows);
+    }
+    static bool packs_k(const Params& p) { return !(k_pairs(p) && p.k_row_stride == p.d); }
     static bool packs_v(const Params&) { return true; }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t D = p.d, Dp = round_up(D, 2);
         const uint16_t* k = static_cast<const uint16_t*>(p.k);
-        if (p.k_dim_stride == 1 && D % 2 == 0 && !p.block_table)
+        if (k_in_place(p, b))
             return {k + k_row_offset(p, b, c0, p.k_batch_stride, p.k_row_stride) + head, p.k_row_stride, 0, 0};
         uint16_t* out = reinterpret_cast<uint16_t*>(buf);
         for (int64_t c = 0; c < nc; ++c) {
             const uint16_t* src = k + k_row_offset(p, b, c0 + c, p.k_batch_stride, p.k_row_stride) + head;
-            for (int64_t d = 0; d < D; ++d) out[c * Dp + d] = src[d * p.k_dim_stride];
+            if (p.k_dim_stride == 1) std::memcpy(out + c * Dp, src, size_t(D) * sizeof(uint16_t));
+            else for (int64_t d = 0; d < D; ++d) out[c * Dp + d] = src[d * p.k_dim_stride];
             if (Dp != D) out[c * Dp + D] = 0;
         }
         return {out, Dp, 0, 0};
