@@ -4,7 +4,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <utility>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -14,6 +13,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -207,14 +207,13 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         }
     }
     plan_shared_tiles(p, T, seq_route, items_per_head, plan);
-    // With shared tiles, heads are taken `threads` at a time and, within such a group, the first
-    // items of every head come first (chunk-major order, kept by the stable cost sort below):
+    // With shared tiles, heads are taken `threads` (>= 1) at a time and, within such a group, the
+    // first items of every head come first (chunk-major order, kept by the stable cost sort below):
     // concurrent threads then pack different heads' tiles, and later items find them ready, rather
     // than all threads racing for the same head's first tile; while a group runs, only its heads'
     // K/V are in use (one thread: a head's items back to back, as without shared tiles).
     if (plan.shared_route >= 0) {
-        const int64_t per = std::max(threads, 1);
-        auto key = [&](const Base& x) { return std::make_pair((int64_t(x.it.b) * p.hk + x.it.kv_head) / per, x.chunk); };
+        auto key = [&](const Base& x) { return std::make_pair((int64_t(x.it.b) * p.hk + x.it.kv_head) / threads, x.chunk); };
         std::stable_sort(bases.begin(), bases.end(), [&](const Base& x, const Base& y) { return key(x) < key(y); });
     }
     const int64_t nbase = int64_t(bases.size());

@@ -56,14 +56,11 @@ struct Bf16Gemm : TransposedO<V> {
         for (int64_t t = 0; 2 * t < D; ++t) q[t * M + r] = 0;
     }
 
-    // K is read in place as bf16 pairs when its rows are (unit feature stride, even D, not paged)
-    // and lie together (rows D apart), or when sequence b fills no whole item; else packed, and
-    // shared by the kv head's items: the rule, and why, of F32Gemm::in_place (gemm_f32.h).
+    // K is read in place as bf16 pairs when its rows allow it (unit feature stride, even D, not
+    // paged) and lie together (policy.h rows_in_place); else packed, and shared by the kv head's items.
     static bool k_pairs(const Params& p) { return p.k_dim_stride == 1 && p.d % 2 == 0 && !p.block_table; }
-    static bool k_in_place(const Params& p, int64_t b) {
-        return k_pairs(p) && (p.k_row_stride == p.d || (p.hq / p.hk) * seq_nq(p, b) < kMaxRows);
-    }
-    static bool packs_k(const Params& p) { return !(k_pairs(p) && p.k_row_stride == p.d); }
+    static bool k_in_place(const Params& p, int64_t b) { return k_pairs(p) && rows_in_place(p, b, p.k_row_stride, p.d, kMaxRows); }
+    static bool packs_k(const Params& p) { return packs_rows(k_pairs(p), p.k_row_stride, p.d); }
     static bool packs_v(const Params&) { return true; }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const int64_t D = p.d, Dp = round_up(D, 2);

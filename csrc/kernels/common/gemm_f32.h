@@ -52,23 +52,16 @@ struct F32Gemm : TransposedO<V> {
             for (int i = 0; i < 16; ++i) qbuf[d * M + r0 + i] = rows[i * D + d];
     }
     // K/V tile of nc rows from key position c0: read in place when float32 with unit feature
-    // stride and not paged, else packed row-major (strides, paging, dtype conversion end here).
-    // Float32 rows that lie apart (row stride != n: a bshd array or cache, rows Hk x n apart) are
-    // packed too when sequence b fills whole items (>= kMaxRows query rows per kv head), and then
-    // shared by the kv head's items: in place, every line of a row maps to the cache sets of that
-    // line in every other row (rows 4 KB apart share one L1 set), and the micro-kernels, which
-    // re-read the tile per row block, ran 1.07x / 1.13x / 1.19x slower at H = 2 / 4 / 8 than on
-    // contiguous rows (fp32, Zen 3, one thread, B=1 N=2048). Packed: 1.09-1.16x faster at full
-    // items; items of 64 rows (one per head: nothing shared, each would copy its tiles) read 0.97x
-    // packed, so they stay in place (bench/RESULTS.md, session 33).
-    static bool contiguous_rows(const Params& p, int64_t dim_stride) {
+    // stride, not paged and its rows lie together (policy.h rows_in_place), else packed row-major
+    // (strides, paging, dtype conversion end here).
+    static bool readable_in_place(const Params& p, int64_t dim_stride) {
         return DType(p.dtype) == DType::f32 && dim_stride == 1 && !p.block_table;
     }
     static bool in_place(const Params& p, int64_t b, int64_t row_stride, int64_t dim_stride, int64_t n) {
-        return contiguous_rows(p, dim_stride) && (row_stride == n || (p.hq / p.hk) * seq_nq(p, b) < kMaxRows);
+        return readable_in_place(p, dim_stride) && rows_in_place(p, b, row_stride, n, kMaxRows);
     }
-    static bool packs_k(const Params& p) { return !contiguous_rows(p, p.k_dim_stride) || p.k_row_stride != p.d; }
-    static bool packs_v(const Params& p) { return !contiguous_rows(p, p.v_dim_stride) || p.v_row_stride != p.dv; }
+    static bool packs_k(const Params& p) { return packs_rows(readable_in_place(p, p.k_dim_stride), p.k_row_stride, p.d); }
+    static bool packs_v(const Params& p) { return packs_rows(readable_in_place(p, p.v_dim_stride), p.v_row_stride, p.dv); }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.d, b, c0, nc, head, buf);
     }

@@ -72,6 +72,25 @@ inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) 
     }
 }
 
+// Whether a K/V tile that a policy could read in place (its own test: element type, unit feature
+// stride, not paged) is read in place: when its rows lie together (row stride = the row's length
+// n), or when sequence b fills no whole item of max_rows query rows per kv head (one item per head:
+// nothing is shared, so each item would copy its tiles; 0.97x at 64 rows). Rows that lie apart (a
+// bshd array or cache: Hk x n apart) are packed otherwise, and shared by the kv head's items
+// (packs_k / packs_v say so: shares_rows_apart below): in place, every line of a row maps to the
+// cache sets of that line in every other row (rows 4 KB apart share one L1 set) and the
+// micro-kernels, which re-read a tile per row block, crowded a few sets: fp32 on Zen 3 ran 1.10x
+// / 1.19x / 1.42x slower at H = 4 / 8 / 16 with such K/V than with contiguous ones, 1.00-1.04x
+// packed (bench/tools/layout_cost.py; bench/RESULTS.md, session 33).
+inline bool rows_in_place(const Params& p, int64_t b, int64_t row_stride, int64_t n, int64_t max_rows) {
+    return row_stride == n || (p.hq / p.hk) * seq_nq(p, b) < max_rows;
+}
+// packs_k / packs_v of such a policy: whole tiles are packed (and can be shared) when the policy
+// cannot read them in place at all, or when their rows lie apart.
+inline bool packs_rows(bool readable_in_place, int64_t row_stride, int64_t n) {
+    return !readable_in_place || row_stride != n;
+}
+
 // The O accumulator of the "rows in lanes" policies: O^T [Dv][M], row r's column j at o[j*M + r].
 template <class V>
 struct TransposedO {
