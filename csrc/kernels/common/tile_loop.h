@@ -383,50 +383,91 @@ struct TileLoop {
     // Pair c/2 of vector v lands on key row c/2 <= c of v's own lanes after keys c and c+1 were
     // read, so it only overwrites consumed scores. One block instead of a separate pair buffer
     // saves BC/2 x RB x 4 bytes of scratch (no speed change measured: bench/RESULTS.md, issue 12).
+    // Both passes take the keys outer and the block's row vectors inner: s is then read in address
+    // order (one RB-float row per key) with nv independent max / sum chains, where one vector's
+    // column (a line every RB floats, one vmaxps latency per key) made the AMX softmax ~13 cycles
+    // per 16 scores (bench/RESULTS.md, session 34). Each lane's max and sum see the same keys in
+    // the same order as before: the same bits.
     static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
                                float scale) {
+        softmax_nv(ops, nv, nc, s, m, l, r0, scale);
+    }
+    template <int NV = RV>
+    static void softmax_nv(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
+                           float scale) {
+        if constexpr (NV >= 1) {
+            if (nv == NV) softmax_block<NV>(ops, nc, s, m, l, r0, scale);
+            else softmax_nv<NV - 1>(ops, nv, nc, s, m, l, r0, scale);
+        }
+    }
+    template <int NV>
+    static void softmax_block(const ItemOperands& ops, int64_t nc, float* s, float* m, float* l, int64_t r0, float scale) {
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
-        for (int v = 0; v < nv; ++v) {
-            vec mx = ninf;
-            if (scale > 0.f) {  // max(scale*s) = scale*max(s) exactly: rounding is monotone
-                for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::load(s + c * RB + v * W));
-                if (scale != 1.f) mx = V::mul(mx, sc);
-            } else {
-                for (int64_t c = 0; c < nc; ++c) mx = V::max(mx, V::mul(V::load(s + c * RB + v * W), sc));
+        // max(scale*s) = scale*max(s) exactly for scale > 0 (rounding is monotone); two keys per
+        // step, so at least two chains per vector. The max of non-NaN values does not depend on
+        // the order; a NaN score's lane is NaN after the exp pass whatever its max.
+        vec mx[NV], my[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) mx[v] = my[v] = ninf;
+        auto at = [&](int64_t c, int v) { return scale > 0.f ? V::load(s + c * RB + v * W) : V::mul(V::load(s + c * RB + v * W), sc); };
+        int64_t c = 0;
+        for (; c + 2 <= nc; c += 2) {
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) {
+                mx[v] = V::max(mx[v], at(c, v));
+                my[v] = V::max(my[v], at(c + 1, v));
             }
-            // Lazy rescaling, lane by lane: a row's running max moves to its tile max only when
-            // that passes it by more than kRescaleLog2, else p = exp2(s - m) <= 2^kRescaleLog2 against
-            // the stale max, which the final l and LSE share (the same result up to rounding). Rows
-            // whose max stays get alpha = exp2(0) = 1 exactly, so a row's bits never depend on the
-            // rows beside it in the vector. (mask_outside as a select: lanes with mx > m_old + k
-            // take mx; the lower bound -inf never applies; NaN compares false and keeps m_old.)
+        }
+        if (c < nc) {
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) mx[v] = V::max(mx[v], at(c, v));
+        }
+        // Lazy rescaling, lane by lane: a row's running max moves to its tile max only when that
+        // passes it by more than kRescaleLog2, else p = exp2(s - m) <= 2^kRescaleLog2 against the
+        // stale max, which the final l and LSE share (the same result up to rounding). Rows whose
+        // max stays get alpha = exp2(0) = 1 exactly, so a row's bits never depend on the rows
+        // beside it in the vector. (mask_outside as a select: lanes with mx > m_old + k take mx;
+        // the lower bound -inf never applies; NaN compares false and keeps m_old.)
+        vec neg_m[NV], sum[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            vec t = V::max(mx[v], my[v]);
+            if (scale > 0.f && scale != 1.f) t = V::mul(t, sc);
             const vec m_old = V::load(m + v * W);
-            const vec m_new = V::mask_outside(m_old, mx, ninf, V::add(m_old, V::set1(kRescaleLog2)), mx);
-            const bool rescale = V::any_gt(m_new, m_old);
-            const vec m_use = V::zero_where_ninf(m_new);
-            const vec neg_m = V::sub(V::zero(), m_use);
-            vec sum = V::zero();
-            if constexpr (G::kPStore == PStore::bf16_pairs) {  // P rounded to bf16: V::exp2_bf16p
-                for (int64_t c = 0; c < nc; c += 2) {
-                    const vec e0 = V::exp2_bf16p(V::fma(V::load(s + c * RB + v * W), sc, neg_m));
-                    const vec e1 = c + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (c + 1) * RB + v * W), sc, neg_m)) : V::zero();
-                    sum = V::add(sum, V::add(e0, e1));
-                    G::store_p_pair(s, c / 2, v, e0, e1);
-                }
-            } else {
-                for (int64_t c = 0; c < nc; ++c) {
-                    float* sp = s + c * RB + v * W;
-                    const vec e = V::exp2(V::fma(V::load(sp), sc, neg_m));
-                    V::store(sp, e);
-                    sum = V::add(sum, e);
+            const vec m_new = V::mask_outside(m_old, t, ninf, V::add(m_old, V::set1(kRescaleLog2)), t);
+            mx[v] = m_new;  // kept for the update below
+            neg_m[v] = V::sub(V::zero(), V::zero_where_ninf(m_new));
+            sum[v] = V::zero();
+        }
+        if constexpr (G::kPStore == PStore::bf16_pairs) {  // P rounded to bf16: V::exp2_bf16p
+            for (int64_t c2 = 0; c2 < nc; c2 += 2) {
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) {
+                    const vec e0 = V::exp2_bf16p(V::fma(V::load(s + c2 * RB + v * W), sc, neg_m[v]));
+                    const vec e1 = c2 + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (c2 + 1) * RB + v * W), sc, neg_m[v])) : V::zero();
+                    sum[v] = V::add(sum[v], V::add(e0, e1));
+                    G::store_p_pair(s, c2 / 2, v, e0, e1);
                 }
             }
-            if (rescale) {
-                const vec alpha = V::exp2(V::sub(m_old, m_use));
-                V::store(l + v * W, V::fma(V::load(l + v * W), alpha, sum));
+        } else {
+            for (int64_t k = 0; k < nc; ++k) {
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) {
+                    float* sp = s + k * RB + v * W;
+                    const vec e = V::exp2(V::fma(V::load(sp), sc, neg_m[v]));
+                    V::store(sp, e);
+                    sum[v] = V::add(sum[v], e);
+                }
+            }
+        }
+        for (int v = 0; v < NV; ++v) {
+            const vec m_old = V::load(m + v * W), m_new = mx[v];
+            if (V::any_gt(m_new, m_old)) {
+                const vec alpha = V::exp2(V::add(m_old, neg_m[v]));
+                V::store(l + v * W, V::fma(V::load(l + v * W), alpha, sum[v]));
                 G::rescale_o(ops.o, ops.M, ops.dv, r0 + v * W, alpha);
             } else {
-                V::store(l + v * W, V::add(V::load(l + v * W), sum));
+                V::store(l + v * W, V::add(V::load(l + v * W), sum[v]));
             }
             V::store(m + v * W, m_new);
         }
