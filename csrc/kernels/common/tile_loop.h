@@ -390,15 +390,13 @@ struct TileLoop {
     // the same order as before: the same bits.
     static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
                                float scale) {
-        softmax_nv(ops, nv, nc, s, m, l, r0, scale);
-    }
-    template <int NV = RV>
-    static void softmax_nv(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
-                           float scale) {
-        if constexpr (NV >= 1) {
-            if (nv == NV) softmax_block<NV>(ops, nc, s, m, l, r0, scale);
-            else softmax_nv<NV - 1>(ops, nv, nc, s, m, l, r0, scale);
+        // Whole row blocks at once; a partial one (an item's last, decode items) vector by vector,
+        // which keeps two instances per policy (a third of the code of one per vector count).
+        if (nv == RV) {
+            softmax_block<RV>(ops, nc, s, m, l, r0, scale);
+            return;
         }
+        for (int v = 0; v < nv; ++v) softmax_block<1>(ops, nc, s + v * W, m + v * W, l + v * W, r0 + v * W, scale);
     }
     template <int NV>
     static void softmax_block(const ItemOperands& ops, int64_t nc, float* s, float* m, float* l, int64_t r0, float scale) {
