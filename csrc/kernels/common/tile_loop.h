@@ -390,8 +390,9 @@ struct TileLoop {
     // the same order as before: the same bits.
     static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
                                float scale) {
-        // Whole row blocks at once; a partial one (an item's last, decode items) vector by vector,
-        // which keeps two instances per policy (a third of the code of one per vector count).
+        // Whole row blocks at once; a partial one (an item's last, decode items) vector by vector:
+        // two instances per policy instead of one per vector count (library text 1.98 MB against
+        // 2.16 MB, same speed).
         if (nv == RV) {
             softmax_block<RV>(ops, nc, s, m, l, r0, scale);
             return;
