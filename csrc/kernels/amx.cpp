@@ -193,6 +193,9 @@ struct AmxGemm : TransposedO<V512> {
         }
     }
 
+    // gemm_bf16.h's pair layout, indexed with that policy's RB: the two row blocks must agree
+    // (session 34 tried a 64-row AMX block, no faster, and its pairs landed at a 96-row stride).
+    static_assert(RB == Bf16Gemm<V512>::RB, "P pairs indexed with the vdpbf16ps policy's row block");
     static void store_p_pair(float* pbuf, int64_t c2, int v, __m512 e0, __m512 e1) {
         Bf16Gemm<V512>::store_p_pair(pbuf, c2, v, e0, e1);
     }
