@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
                     }
             best = std::min(best, double(__rdtsc() - c0));
         }
-        const double tdp = 100.0 * T * (M / RB) * ((products == 3 ? 2 : 1) * (BC / 32) * (RB / 32) * (D / 32) * 4 * (products == 2 ? 1 : 1));
+        const double tdp = 100.0 * T * (M / RB) * ((products == 3 ? 2 : 1) * (BC / 32) * (RB / 32) * (D / 32) * 4);
         const double per = best / tdp;
         std::printf("%-44s %6.1f TSC cycles per tdpbf16ps, %3.0f %% of its rate\n", name, per, 100.0 * 16 / (per * ratio));
     };

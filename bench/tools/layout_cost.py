@@ -16,6 +16,8 @@ T, H, N = (int(x) for x in sys.argv[1:4])
 causal = len(sys.argv) > 4 and sys.argv[4] == "1"
 reps = int(sys.argv[5]) if len(sys.argv) > 5 else 5
 dtype = sys.argv[6] if len(sys.argv) > 6 else "fp32"
+if dtype not in ("fp32", "bf16"):
+    sys.exit(f"DTYPE: fp32 or bf16, not {dtype!r}")
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, H, N, 128), dtype=np.float32) for _ in range(3))
 if dtype == "bf16":

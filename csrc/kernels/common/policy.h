@@ -77,7 +77,7 @@ inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) 
 // n), or when sequence b fills no whole item of max_rows query rows per kv head (one item per head:
 // nothing is shared, so each item would copy its tiles; 0.97x at 64 rows). Rows that lie apart (a
 // bshd array or cache: Hk x n apart) are packed otherwise, and shared by the kv head's items
-// (packs_k / packs_v say so: shares_rows_apart below): in place, every line of a row maps to the
+// (packs_k / packs_v say so: packs_rows below): in place, every line of a row maps to the
 // cache sets of that line in every other row (rows 4 KB apart share one L1 set) and the
 // micro-kernels, which re-read a tile per row block, crowded a few sets: fp32 on Zen 3 ran 1.10x
 // / 1.19x / 1.42x slower at H = 4 / 8 / 16 with such K/V than with contiguous ones, 1.00-1.04x

@@ -427,15 +427,14 @@ struct TileLoop {
         // max stays get alpha = exp2(0) = 1 exactly, so a row's bits never depend on the rows
         // beside it in the vector. (mask_outside as a select: lanes with mx > m_old + k take mx;
         // the lower bound -inf never applies; NaN compares false and keeps m_old.)
-        vec neg_m[NV], sum[NV];
+        vec m_new[NV], neg_m[NV], sum[NV];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) {
             vec t = V::max(mx[v], my[v]);
             if (scale > 0.f && scale != 1.f) t = V::mul(t, sc);
             const vec m_old = V::load(m + v * W);
-            const vec m_new = V::mask_outside(m_old, t, ninf, V::add(m_old, V::set1(kRescaleLog2)), t);
-            mx[v] = m_new;  // kept for the update below
-            neg_m[v] = V::sub(V::zero(), V::zero_where_ninf(m_new));
+            m_new[v] = V::mask_outside(m_old, t, ninf, V::add(m_old, V::set1(kRescaleLog2)), t);
+            neg_m[v] = V::sub(V::zero(), V::zero_where_ninf(m_new[v]));
             sum[v] = V::zero();
         }
         if constexpr (G::kPStore == PStore::bf16_pairs) {  // P rounded to bf16: V::exp2_bf16p
@@ -460,15 +459,15 @@ struct TileLoop {
             }
         }
         for (int v = 0; v < NV; ++v) {
-            const vec m_old = V::load(m + v * W), m_new = mx[v];
-            if (V::any_gt(m_new, m_old)) {
+            const vec m_old = V::load(m + v * W);
+            if (V::any_gt(m_new[v], m_old)) {
                 const vec alpha = V::exp2(V::add(m_old, neg_m[v]));
                 V::store(l + v * W, V::fma(V::load(l + v * W), alpha, sum[v]));
                 G::rescale_o(ops.o, ops.M, ops.dv, r0 + v * W, alpha);
             } else {
                 V::store(l + v * W, V::add(V::load(l + v * W), sum[v]));
             }
-            V::store(m + v * W, m_new);
+            V::store(m + v * W, m_new[v]);
         }
     }
 
