@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/amx_tiles.h"
 #include "common/backward_amx.h"
 #include "common/gemm_bf16.h"
 #include "common/gemm_decode.h"
@@ -33,20 +34,6 @@ namespace fa2cpu {
 namespace {
 
 constexpr int64_t kMinAmxRows = 32;
-
-struct TileConfig {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-void configure_tiles() {
-    TileConfig cfg;
-    std::memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
 
 struct AmxGemm : TransposedO<V512> {
     static constexpr int W = 16;
@@ -240,7 +227,7 @@ struct AmxGemm : TransposedO<V512> {
 // tile users in the thread), released after it.
 struct AmxLoop : TileLoop<V512, AmxGemm> {
     static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
-        configure_tiles();
+        configure_full_tiles();
         TileLoop<V512, AmxGemm>::run_item(p, it, ctx);
         _tile_release();
     }
@@ -251,7 +238,7 @@ double amx_peak(double seconds) {
     alignas(64) static thread_local uint16_t A[16 * 32], B[16 * 32];
     alignas(64) static thread_local float C[16 * 16];
     for (int i = 0; i < 16 * 32; ++i) { A[i] = 0x3f80; B[i] = 0x3380; }
-    configure_tiles();
+    configure_full_tiles();
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     _tile_loadd(4, A, 64); _tile_loadd(5, A, 64); _tile_loadd(6, B, 64); _tile_loadd(7, B, 64);
     int64_t iters = 0;

@@ -29,25 +29,12 @@
 #pragma once
 #include <immintrin.h>
 
+#include "amx_tiles.h"
 #include "backward_loop.h"
 #include "vec_avx512.h"
 
 namespace fa2cpu {
 namespace {
-
-struct BackwardTileConfig {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-inline void configure_backward_tiles() {
-    BackwardTileConfig cfg;
-    std::memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
 
 // C[i][j] (+)= sum_{t < pairs} A[i][2t] B[t][j].lo + A[i][2t+1] B[t][j].hi for i < m, j < n
 // (m, n multiples of 32, pairs of 16). a: bf16 rows of stride lda elements; b: uint32 pairs of
@@ -259,7 +246,7 @@ struct AmxBackward {
     }
     static void run_item(const BackwardParams& p, const BackwardItem& it, float* scratch, float* dq_part) {
         if (DType(p.f.dtype) != DType::bf16) return F32::run_item(p, it, scratch, dq_part);
-        configure_backward_tiles();
+        configure_full_tiles();
         Amx::run_item(p, it, scratch, dq_part);
         _tile_release();
     }
