@@ -18,7 +18,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "common/amx_tiles.h"
 #include "common/backward_amx.h"

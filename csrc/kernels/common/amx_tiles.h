@@ -16,20 +16,13 @@ struct TileConfig {
     uint8_t rows[16];
 };
 
-// tmm0-7 with rows[t] rows of colsb[t] bytes each.
-inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&colsb)[8]) {
+// Every tile (tmm0-7) 16 rows x 64 bytes: the one shape of the bf16 forward and backward.
+inline void configure_full_tiles() {
     TileConfig cfg;
     std::memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = rows[t]; cfg.colsb[t] = colsb[t]; }
+    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
-}
-
-// Every tile 16 rows x 64 bytes (the bf16 forward and backward).
-inline void configure_full_tiles() {
-    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-    const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
-    configure_tiles(rows, colsb);
 }
 
 }  // namespace

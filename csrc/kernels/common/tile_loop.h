@@ -438,13 +438,13 @@ struct TileLoop {
             sum[v] = V::zero();
         }
         if constexpr (G::kPStore == PStore::bf16_pairs) {  // P rounded to bf16: V::exp2_bf16p
-            for (int64_t c2 = 0; c2 < nc; c2 += 2) {
+            for (int64_t k = 0; k < nc; k += 2) {
 #pragma GCC unroll 8
                 for (int v = 0; v < NV; ++v) {
-                    const vec e0 = V::exp2_bf16p(V::fma(V::load(s + c2 * RB + v * W), sc, neg_m[v]));
-                    const vec e1 = c2 + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (c2 + 1) * RB + v * W), sc, neg_m[v])) : V::zero();
+                    const vec e0 = V::exp2_bf16p(V::fma(V::load(s + k * RB + v * W), sc, neg_m[v]));
+                    const vec e1 = k + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (k + 1) * RB + v * W), sc, neg_m[v])) : V::zero();
                     sum[v] = V::add(sum[v], V::add(e0, e1));
-                    G::store_p_pair(s, c2 / 2, v, e0, e1);
+                    G::store_p_pair(s, k / 2, v, e0, e1);
                 }
             }
         } else {
