@@ -104,6 +104,11 @@ def test_running_max_steps(isa, rng, dtype, causal):
     # the same rises through ALiBi (slopes per head: 0.04 and 0.05 per key, i.e. 7.4 and 9.2 log2
     # units per 128 keys towards each row's diagonal), no mask
     check(q, k, v, dtype, alibi_slopes=np.array([0.04, 0.05], np.float32), causal=causal)
+    # the same through the scores themselves, no bias: K's rows grow by 128-key blocks (x1, x3,
+    # x5, ...), so the scaled softmax meets tile maxima far past the running one (tile_loop.h's
+    # one-pass softmax falls back to two passes there)
+    grow = (1 + 2 * (np.arange(Nk) // 128)).astype(np.float32)[None, None, :, None]
+    check(q, k * grow.astype(k.dtype), v, dtype, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

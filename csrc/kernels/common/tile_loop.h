@@ -68,7 +68,7 @@ struct TileLoop {
 
     struct Layout {
         int64_t M;
-        int64_t q, o, kp, vp, ks, vs, s, m, l;
+        int64_t q, o, kp, vp, ks, vs, s, p, m, l;
         int64_t first_key, last_key, diagonal, slope, mask_row_offset, mask_values, row_kv_head, total;
     };
     static Layout layout(const Params& p, int64_t rows) {
@@ -84,6 +84,7 @@ struct TileLoop {
         L.ks = take(stage ? BC * p.d : 0);
         L.vs = take(stage ? BC * p.dv : 0);
         L.s = take(BC * RB);
+        L.p = take(G::kPStore == PStore::bf16_pairs ? (BC + 1) / 2 * RB : 0);
         L.m = take(L.M);
         L.l = take(L.M);
         L.first_key = take(2 * L.M);        // int64 key positions: the row's visible range
@@ -112,6 +113,7 @@ struct TileLoop {
         float* kp = scratch + L.kp;
         float* vp = scratch + L.vp;
         float* s = scratch + L.s;
+        float* pb = G::kPStore == PStore::bf16_pairs ? scratch + L.p : s;  // where P goes (softmax_update)
         float* mrow = scratch + L.m;
         float* lrow = scratch + L.l;
         // Positions are int64 (exact beyond 2^24 keys); the epilogue turns them into small floats
@@ -192,8 +194,8 @@ struct TileLoop {
                 G::qk(ops, rows, kt, ncb, s);
                 const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, softmax_scale,
                                              first_key, last_key, diagonal, slope, mask_row_offset, mask_values, s);
-                softmax_update(ops, nv, ncb, s, mrow + r0, lrow + r0, r0, biased ? 1.f : softmax_scale);
-                G::pv(ops, rows, s, ncb, vt);
+                softmax_update(ops, nv, ncb, s, pb, mrow + r0, lrow + r0, r0, biased ? 1.f : softmax_scale);
+                G::pv(ops, rows, pb, ncb, vt);
             }
         }
         finish(p, it, R, nqi, M, o, mrow, lrow, ctx.parts);
@@ -378,30 +380,35 @@ struct TileLoop {
 
     // Online softmax for one row block: new max, p = exp2(scale*s - m), l and O rescaled only for
     // row vectors whose max moved. -inf - -inf is guarded: a row that has seen no visible key keeps
-    // m = -inf, l = 0 and contributes p = 0. P goes back into s: float32 in place, or for
-    // PStore::bf16_pairs as G's pairs [ceil(nc/2)][RB] over the same block, where G::pv reads them.
-    // Pair c/2 of vector v lands on key row c/2 <= c of v's own lanes after keys c and c+1 were
-    // read, so it only overwrites consumed scores. One block instead of a separate pair buffer
-    // saves BC/2 x RB x 4 bytes of scratch (no speed change measured: bench/RESULTS.md, issue 12).
-    // Both passes take the keys outer and the block's row vectors inner: s is then read in address
-    // order (one RB-float row per key) with nv independent max / sum chains, where one vector's
-    // column (a line every RB floats, one vmaxps latency per key) made the AMX softmax ~13 cycles
-    // per 16 scores (bench/RESULTS.md, session 34). Each lane's max and sum see the same keys in
-    // the same order as before: the same bits.
-    static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* m, float* l, int64_t r0,
-                               float scale) {
+    // m = -inf, l = 0 and contributes p = 0. P goes to pb: float32 over s itself (pb == s), or for
+    // PStore::bf16_pairs as G's pairs [ceil(nc/2)][RB] in a block of their own, where G::pv reads
+    // them (s then survives the exp pass: see softmax_block's speculative pass).
+    // The passes take the keys outer and the block's row vectors inner: s is read in address order
+    // (one RB-float row per key) with nv independent max / sum chains, where one vector's column (a
+    // line every RB floats, one vmaxps latency per key) made the AMX softmax ~13 cycles per 16
+    // scores (bench/RESULTS.md, session 34).
+    static void softmax_update(const ItemOperands& ops, int nv, int64_t nc, float* s, float* pb, float* m, float* l,
+                               int64_t r0, float scale) {
         // Whole row blocks at once; a partial one (an item's last, decode items) vector by vector:
         // two instances per policy instead of one per vector count (library text 1.98 MB against
         // 2.16 MB, same speed).
         if (nv == RV) {
-            softmax_block<RV>(ops, nc, s, m, l, r0, scale);
+            softmax_block<RV>(ops, nc, s, pb, m, l, r0, scale);
             return;
         }
-        for (int v = 0; v < nv; ++v) softmax_block<1>(ops, nc, s + v * W, m + v * W, l + v * W, r0 + v * W, scale);
+        for (int v = 0; v < nv; ++v) softmax_block<1>(ops, nc, s + v * W, pb + v * W, m + v * W, l + v * W, r0 + v * W, scale);
     }
     template <int NV>
-    static void softmax_block(const ItemOperands& ops, int64_t nc, float* s, float* m, float* l, int64_t r0, float scale) {
+    static void softmax_block(const ItemOperands& ops, int64_t nc, float* s, float* pb, float* m, float* l, int64_t r0,
+                              float scale) {
         const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
+        // Lazy rescaling, lane by lane: a row's running max moves to its tile max only when that
+        // passes it by more than kRescaleLog2, else p = exp2(s - m) <= 2^kRescaleLog2 against the
+        // stale max, which the final l and LSE share (the same result up to rounding). Rows whose
+        // max stays get alpha = exp2(0) = 1 exactly, so a row's bits never depend on the rows
+        // beside it in the vector.
+        if constexpr (G::kPStore == PStore::bf16_pairs)
+            if (scale > 0.f && speculative_block<NV>(nc, s, pb, m, l, scale)) return;
         // max(scale*s) = scale*max(s) exactly for scale > 0 (rounding is monotone); two keys per
         // step, so at least two chains per vector. The max of non-NaN values does not depend on
         // the order; a NaN score's lane is NaN after the exp pass whatever its max.
@@ -421,12 +428,8 @@ struct TileLoop {
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v) mx[v] = V::max(mx[v], at(c, v));
         }
-        // Lazy rescaling, lane by lane: a row's running max moves to its tile max only when that
-        // passes it by more than kRescaleLog2, else p = exp2(s - m) <= 2^kRescaleLog2 against the
-        // stale max, which the final l and LSE share (the same result up to rounding). Rows whose
-        // max stays get alpha = exp2(0) = 1 exactly, so a row's bits never depend on the rows
-        // beside it in the vector. (mask_outside as a select: lanes with mx > m_old + k take mx;
-        // the lower bound -inf never applies; NaN compares false and keeps m_old.)
+        // (mask_outside as a select: lanes with mx > m_old + k take mx; the lower bound -inf never
+        // applies; NaN compares false and keeps m_old.)
         vec m_new[NV], neg_m[NV], sum[NV];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) {
@@ -444,7 +447,7 @@ struct TileLoop {
                     const vec e0 = V::exp2_bf16p(V::fma(V::load(s + k * RB + v * W), sc, neg_m[v]));
                     const vec e1 = k + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (k + 1) * RB + v * W), sc, neg_m[v])) : V::zero();
                     sum[v] = V::add(sum[v], V::add(e0, e1));
-                    G::store_p_pair(s, k / 2, v, e0, e1);
+                    G::store_p_pair(pb, k / 2, v, e0, e1);
                 }
             }
         } else {
@@ -469,6 +472,51 @@ struct TileLoop {
             }
             V::store(m + v * W, m_new[v]);
         }
+    }
+    // One pass instead of two where P has a block of its own (bf16 pairs): P against the running
+    // max, with the tile max taken on the way in the same two chains as the max pass. When no
+    // lane's tile max passes its running max by more than kRescaleLog2 (after the first tile
+    // almost always: the lazy rule above keeps the max then), the two-pass result is exactly
+    // this one (m_new = m_old, no rescale): returns true. Else (or with a row that has seen no
+    // key yet, m = -inf) returns false without touching m or l, and softmax_block redoes the
+    // block in two passes from s, which this pass only read.
+    template <int NV>
+    static bool speculative_block(int64_t nc, const float* s, float* pb, float* m, float* l, float scale) {
+        const vec sc = V::set1(scale), ninf = V::set1(-INFINITY);
+        vec mx[NV], my[NV], neg_m[NV], sum[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            const vec m_old = V::load(m + v * W);
+            if (V::any_gt(V::set1(-FLT_MAX), m_old)) return false;  // some lane -inf
+            neg_m[v] = V::sub(V::zero(), m_old);
+            mx[v] = my[v] = ninf;
+            sum[v] = V::zero();
+        }
+        for (int64_t k = 0; k < nc; k += 2) {
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) {
+                const vec x0 = V::load(s + k * RB + v * W);
+                mx[v] = V::max(mx[v], x0);
+                const vec e0 = V::exp2_bf16p(V::fma(x0, sc, neg_m[v]));
+                vec e1 = V::zero();
+                if (k + 1 < nc) {
+                    const vec x1 = V::load(s + (k + 1) * RB + v * W);
+                    my[v] = V::max(my[v], x1);
+                    e1 = V::exp2_bf16p(V::fma(x1, sc, neg_m[v]));
+                }
+                sum[v] = V::add(sum[v], V::add(e0, e1));
+                G::store_p_pair(pb, k / 2, v, e0, e1);
+            }
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            vec t = V::max(mx[v], my[v]);
+            if (scale != 1.f) t = V::mul(t, sc);
+            if (V::any_gt(t, V::add(V::load(m + v * W), V::set1(kRescaleLog2)))) return false;
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) V::store(l + v * W, V::add(V::load(l + v * W), sum[v]));
+        return true;
     }
 
     // Normalise once per item and write the output rows (or the split's partial rows).
