@@ -190,7 +190,7 @@ struct AmxGemm : TransposedO<V512> {
     // to whole 32-key blocks).
     static void pv(const ItemOperands& x, const RowBlock& rows, float* s, int64_t nc, const KvTile& vt) {
         float* oT = x.o + rows.r0;
-        uint32_t* pb = reinterpret_cast<uint32_t*>(s);  // P pairs over the score block
+        uint32_t* pb = reinterpret_cast<uint32_t*>(s);  // P pairs (tile_loop.h's P block)
         const int64_t M = x.M, ldv = vt.ld, Dv = x.dv;
         const int nv = rows.vectors;
         const int64_t ncp = round_up(nc, 32);

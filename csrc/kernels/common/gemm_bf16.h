@@ -5,7 +5,7 @@
 //   Q   qbuf  [D2][M]   pair (Q[r][2t], Q[r][2t+1]) of row r            (D2 = ceil(D/2), not scaled)
 //   K   kt    [nc][ldk] bf16 rows; the pair at column 2t is broadcast as one uint32
 //                       (read in place for contiguous unpaged bf16 with even D, else packed)
-//   P   pbuf  [C2][RB]  pair (P[r][2c], P[r][2c+1]) of row r (C2 = ceil(nc/2); over the score block)
+//   P   pbuf  [C2][RB]  pair (P[r][2c], P[r][2c+1]) of row r (C2 = ceil(nc/2); tile_loop.h's P block)
 //   V   vbuf  [C2][Dv]  pair (V[2c][j], V[2c+1][j]), always packed (two rows interleaved)
 //
 // Odd D / odd nc are padded with zero halves. Products are exact in float32 and accumulate in

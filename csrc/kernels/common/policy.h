@@ -34,7 +34,7 @@ enum class ScaleAt {
 enum class PStore {
     f32_in_scores,  // float32 P overwrites S
     bf16_pairs,     // bf16 pairs along the key axis, [ceil(nc/2)][RB] uint32, written by the
-                    // policy's store_p_pair over the score block itself (tile_loop.h softmax_update)
+                    // policy's store_p_pair into a block of their own (tile_loop.h softmax_update)
 };
 
 // One item's operands as the micro-kernels see them.

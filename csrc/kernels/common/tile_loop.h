@@ -12,7 +12,8 @@
 //   ks, vs quantized caches read by a policy without G::kReadsCodes: one K / V tile dequantized
 //          (codes x scales) into float32 [BC][D] row-major; G (the float32 policy: routes.h keeps
 //          quantized caches off the bf16 ones) reads it like an ordinary contiguous float32 tile
-//   s      [BC][RB] float32 scores, then probabilities, of one row block (RB = G::RB rows)
+//   s      [BC][RB] float32 scores of one row block (RB = G::RB rows), then float32 P in place
+//   p      PStore::bf16_pairs: P as G's bf16 pairs [ceil(BC/2)][RB] (s stays the scores)
 //
 // with M = R rounded up to G::kRowAlign (a multiple of W). The score scale is scale*log2e, or
 // scale/softcap with softcap (tanh takes the unscaled logit), applied where G::kScaleAt says.
@@ -113,7 +114,7 @@ struct TileLoop {
         float* kp = scratch + L.kp;
         float* vp = scratch + L.vp;
         float* s = scratch + L.s;
-        float* pb = G::kPStore == PStore::bf16_pairs ? scratch + L.p : s;  // where P goes (softmax_update)
+        float* pb = G::kPStore == PStore::bf16_pairs ? scratch + L.p : s;  // P (softmax_update)
         float* mrow = scratch + L.m;
         float* lrow = scratch + L.l;
         // Positions are int64 (exact beyond 2^24 keys); the epilogue turns them into small floats
@@ -380,9 +381,11 @@ struct TileLoop {
 
     // Online softmax for one row block: new max, p = exp2(scale*s - m), l and O rescaled only for
     // row vectors whose max moved. -inf - -inf is guarded: a row that has seen no visible key keeps
-    // m = -inf, l = 0 and contributes p = 0. P goes to pb: float32 over s itself (pb == s), or for
-    // PStore::bf16_pairs as G's pairs [ceil(nc/2)][RB] in a block of their own, where G::pv reads
-    // them (s then survives the exp pass: see softmax_block's speculative pass).
+    // m = -inf, l = 0 and contributes p = 0. P goes to pb, where G::pv reads it: float32 over s
+    // itself (pb == s), or for PStore::bf16_pairs G's pairs [ceil(nc/2)][RB] in a block of their
+    // own. s then survives the exp pass, which lets the first try be one pass (softmax_block);
+    // float32 P in a block of its own measured 0.98-0.99x (session 36), its softmax being ~7 %
+    // of the fp32 forward.
     // The passes take the keys outer and the block's row vectors inner: s is read in address order
     // (one RB-float row per key) with nv independent max / sum chains, where one vector's column (a
     // line every RB floats, one vmaxps latency per key) made the AMX softmax ~13 cycles per 16
@@ -398,23 +401,51 @@ struct TileLoop {
         }
         for (int v = 0; v < nv; ++v) softmax_block<1>(ops, nc, s + v * W, pb + v * W, m + v * W, l + v * W, r0 + v * W, scale);
     }
+    // Lazy rescaling, lane by lane: a row's running max moves to its tile max only when that
+    // passes it by more than kRescaleLog2, else p = exp2(s - m) <= 2^kRescaleLog2 against the
+    // stale max, which the final l and LSE share (the same result up to rounding). Rows whose max
+    // stays get alpha = exp2(0) = 1 exactly, so a row's bits never depend on the rows beside it in
+    // the vector. After a row's first tile the max almost always stays, so the block is first
+    // tried in one pass: P against the running max, the tile max taken on the way (the same two
+    // chains as the max pass). If no lane's tile max passes its running max by more than
+    // kRescaleLog2, that is exactly the two-pass result (m_new = m_old, no rescale); else, or
+    // with a row that has seen no key yet (m = -inf), or scale <= 0, the two passes redo the block
+    // from s (bench/RESULTS.md, session 36: 1.04-1.06x on one AMX core). Only where P has a block
+    // of its own: float32 P overwrites s.
     template <int NV>
-    static void softmax_block(const ItemOperands& ops, int64_t nc, float* s, float* pb, float* m, float* l, int64_t r0,
-                              float scale) {
-        const vec ninf = V::set1(-INFINITY), sc = V::set1(scale);
-        // Lazy rescaling, lane by lane: a row's running max moves to its tile max only when that
-        // passes it by more than kRescaleLog2, else p = exp2(s - m) <= 2^kRescaleLog2 against the
-        // stale max, which the final l and LSE share (the same result up to rounding). Rows whose
-        // max stays get alpha = exp2(0) = 1 exactly, so a row's bits never depend on the rows
-        // beside it in the vector.
-        if constexpr (G::kPStore == PStore::bf16_pairs)
-            if (scale > 0.f && speculative_block<NV>(nc, s, pb, m, l, scale)) return;
+    static void softmax_block(const ItemOperands& ops, int64_t nc, float* s, float* pb, float* m, float* l,
+                              int64_t r0, float scale) {
+        const vec ninf = V::set1(-INFINITY), sc = V::set1(scale), k_resc = V::set1(kRescaleLog2);
+        vec mx[NV], my[NV], neg_m[NV], sum[NV];
+        bool one_pass = G::kPStore == PStore::bf16_pairs && scale > 0.f;
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) {
+            const vec m_old = V::load(m + v * W);
+            one_pass = one_pass && !V::any_gt(V::set1(-FLT_MAX), m_old);  // no lane at -inf
+            neg_m[v] = V::sub(V::zero(), m_old);
+            mx[v] = my[v] = ninf;
+            sum[v] = V::zero();
+        }
+        if (one_pass) {
+            exp_pass<NV, true>(s, nc, pb, sc, neg_m, sum, mx, my);
+            bool kept = true;
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) {
+                vec t = V::max(mx[v], my[v]);
+                if (scale != 1.f) t = V::mul(t, sc);
+                kept = kept && !V::any_gt(t, V::add(V::load(m + v * W), k_resc));
+            }
+            if (kept) {
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) V::store(l + v * W, V::add(V::load(l + v * W), sum[v]));
+                return;
+            }
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) mx[v] = my[v] = ninf;
+        }
         // max(scale*s) = scale*max(s) exactly for scale > 0 (rounding is monotone); two keys per
         // step, so at least two chains per vector. The max of non-NaN values does not depend on
         // the order; a NaN score's lane is NaN after the exp pass whatever its max.
-        vec mx[NV], my[NV];
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) mx[v] = my[v] = ninf;
         auto at = [&](int64_t c, int v) { return scale > 0.f ? V::load(s + c * RB + v * W) : V::mul(V::load(s + c * RB + v * W), sc); };
         int64_t c = 0;
         for (; c + 2 <= nc; c += 2) {
@@ -430,37 +461,17 @@ struct TileLoop {
         }
         // (mask_outside as a select: lanes with mx > m_old + k take mx; the lower bound -inf never
         // applies; NaN compares false and keeps m_old.)
-        vec m_new[NV], neg_m[NV], sum[NV];
+        vec m_new[NV];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; ++v) {
             vec t = V::max(mx[v], my[v]);
             if (scale > 0.f && scale != 1.f) t = V::mul(t, sc);
             const vec m_old = V::load(m + v * W);
-            m_new[v] = V::mask_outside(m_old, t, ninf, V::add(m_old, V::set1(kRescaleLog2)), t);
+            m_new[v] = V::mask_outside(m_old, t, ninf, V::add(m_old, k_resc), t);
             neg_m[v] = V::sub(V::zero(), V::zero_where_ninf(m_new[v]));
             sum[v] = V::zero();
         }
-        if constexpr (G::kPStore == PStore::bf16_pairs) {  // P rounded to bf16: V::exp2_bf16p
-            for (int64_t k = 0; k < nc; k += 2) {
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) {
-                    const vec e0 = V::exp2_bf16p(V::fma(V::load(s + k * RB + v * W), sc, neg_m[v]));
-                    const vec e1 = k + 1 < nc ? V::exp2_bf16p(V::fma(V::load(s + (k + 1) * RB + v * W), sc, neg_m[v])) : V::zero();
-                    sum[v] = V::add(sum[v], V::add(e0, e1));
-                    G::store_p_pair(pb, k / 2, v, e0, e1);
-                }
-            }
-        } else {
-            for (int64_t k = 0; k < nc; ++k) {
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) {
-                    float* sp = s + k * RB + v * W;
-                    const vec e = V::exp2(V::fma(V::load(sp), sc, neg_m[v]));
-                    V::store(sp, e);
-                    sum[v] = V::add(sum[v], e);
-                }
-            }
-        }
+        exp_pass<NV, false>(s, nc, pb, sc, neg_m, sum, mx, my);
         for (int v = 0; v < NV; ++v) {
             const vec m_old = V::load(m + v * W);
             if (V::any_gt(m_new[v], m_old)) {
@@ -473,50 +484,36 @@ struct TileLoop {
             V::store(m + v * W, m_new[v]);
         }
     }
-    // One pass instead of two where P has a block of its own (bf16 pairs): P against the running
-    // max, with the tile max taken on the way in the same two chains as the max pass. When no
-    // lane's tile max passes its running max by more than kRescaleLog2 (after the first tile
-    // almost always: the lazy rule above keeps the max then), the two-pass result is exactly
-    // this one (m_new = m_old, no rescale): returns true. Else (or with a row that has seen no
-    // key yet, m = -inf) returns false without touching m or l, and softmax_block redoes the
-    // block in two passes from s, which this pass only read.
-    template <int NV>
-    static bool speculative_block(int64_t nc, const float* s, float* pb, float* m, float* l, float scale) {
-        const vec sc = V::set1(scale), ninf = V::set1(-INFINITY);
-        vec mx[NV], my[NV], neg_m[NV], sum[NV];
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) {
-            const vec m_old = V::load(m + v * W);
-            if (V::any_gt(V::set1(-FLT_MAX), m_old)) return false;  // some lane -inf
-            neg_m[v] = V::sub(V::zero(), m_old);
-            mx[v] = my[v] = ninf;
-            sum[v] = V::zero();
-        }
+    // P = exp2(scale * s + neg_m) into pb (which may be s: each key's P lands on its own row after
+    // that row was read), its row sums added to sum; with kMax, the max of s over even keys into
+    // mx and odd keys into my (the max pass's chains).
+    template <int NV, bool kMax>
+    static void exp_pass(const float* s, int64_t nc, float* pb, vec sc, const vec* neg_m, vec* sum, vec* mx, vec* my) {
         for (int64_t k = 0; k < nc; k += 2) {
 #pragma GCC unroll 8
             for (int v = 0; v < NV; ++v) {
                 const vec x0 = V::load(s + k * RB + v * W);
-                mx[v] = V::max(mx[v], x0);
-                const vec e0 = V::exp2_bf16p(V::fma(x0, sc, neg_m[v]));
-                vec e1 = V::zero();
-                if (k + 1 < nc) {
-                    const vec x1 = V::load(s + (k + 1) * RB + v * W);
-                    my[v] = V::max(my[v], x1);
-                    e1 = V::exp2_bf16p(V::fma(x1, sc, neg_m[v]));
+                if constexpr (kMax) mx[v] = V::max(mx[v], x0);
+                const bool pair = k + 1 < nc;
+                const vec x1 = pair ? V::load(s + (k + 1) * RB + v * W) : V::zero();
+                if constexpr (kMax) if (pair) my[v] = V::max(my[v], x1);
+                if constexpr (G::kPStore == PStore::bf16_pairs) {  // P rounded to bf16: V::exp2_bf16p
+                    const vec e0 = V::exp2_bf16p(V::fma(x0, sc, neg_m[v]));
+                    const vec e1 = pair ? V::exp2_bf16p(V::fma(x1, sc, neg_m[v])) : V::zero();
+                    sum[v] = V::add(sum[v], V::add(e0, e1));
+                    G::store_p_pair(pb, k / 2, v, e0, e1);
+                } else {
+                    const vec e0 = V::exp2(V::fma(x0, sc, neg_m[v]));
+                    V::store(pb + k * RB + v * W, e0);
+                    sum[v] = V::add(sum[v], e0);
+                    if (pair) {
+                        const vec e1 = V::exp2(V::fma(x1, sc, neg_m[v]));
+                        V::store(pb + (k + 1) * RB + v * W, e1);
+                        sum[v] = V::add(sum[v], e1);
+                    }
                 }
-                sum[v] = V::add(sum[v], V::add(e0, e1));
-                G::store_p_pair(pb, k / 2, v, e0, e1);
             }
         }
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) {
-            vec t = V::max(mx[v], my[v]);
-            if (scale != 1.f) t = V::mul(t, sc);
-            if (V::any_gt(t, V::add(V::load(m + v * W), V::set1(kRescaleLog2)))) return false;
-        }
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) V::store(l + v * W, V::add(V::load(l + v * W), sum[v]));
-        return true;
     }
 
     // Normalise once per item and write the output rows (or the split's partial rows).
