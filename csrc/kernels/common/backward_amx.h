@@ -25,7 +25,7 @@
 // fixed by the shapes, so results do not depend on the thread count.
 //
 // Tiles are configured per item (one configuration: 8 tiles of 16 rows x 64 bytes; tmm0-3 C,
-// tmm4-5 A, tmm6-7 B) and released after it. float32 and float16 inputs keep BackwardLoop<V512>.
+// tmm4-5 A, tmm6-7 B) and released after it. float32 and float16 inputs keep BackwardLoop<V512x46>.
 #pragma once
 #include <immintrin.h>
 
@@ -237,7 +237,7 @@ struct AmxProducts {
 
 // The backward of the amx family: bf16 inputs on AMX tiles, float32 / float16 on float32 FMAs.
 struct AmxBackward {
-    using F32 = BackwardLoop<V512>;
+    using F32 = BackwardLoop<V512x46>;  // vec_avx512.h: 4 x 6 blocking on Intel
     using Amx = BackwardLoop<V512, AmxProducts>;
     static_assert(F32::BC == Amx::BC, "one key tile for the driver's splits");
     static constexpr int64_t BC = F32::BC;
