@@ -60,8 +60,11 @@ def decode_case(cache, rng, B=16, N=8192):
 
 def alternate(mods, call, reps):
     """call(module) for each build, alternated `reps` times after one warm-up each: the warm-up
-    outputs (float64) and each build's median seconds."""
-    outs = {name: call(m).astype(np.float64) for name, m in mods.items()}
+    outputs (float64, several arrays flattened into one) and each build's median seconds (of the
+    call alone: outputs are converted only after the warm-up)."""
+    def flat(r):
+        return np.concatenate([x.astype(np.float64).ravel() for x in r]) if isinstance(r, tuple) else r.astype(np.float64)
+    outs = {name: flat(call(m)) for name, m in mods.items()}
     times = {name: [] for name in mods}
     for _ in range(reps):
         for name, m in mods.items():
@@ -108,9 +111,8 @@ def main_prefill(mods, argv, backward=False):
         out, lse = mods["base"].flash_attention(q, k, v, causal=causal, return_lse=True, num_threads=threads)
 
         def call(m):
-            dq, dk, dv = m.flash_attention_backward(do, q, k, v, out, lse, causal=causal, layout=layout,
-                                                    num_threads=threads)
-            return np.concatenate([x.astype(np.float64).ravel() for x in (dq, dk, dv)])
+            return tuple(m.flash_attention_backward(do, q, k, v, out, lse, causal=causal, layout=layout,
+                                                    num_threads=threads))
     else:
         def call(m):
             return m.flash_attention(q, k, v, causal=causal, layout=layout, num_threads=threads)
