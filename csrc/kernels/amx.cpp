@@ -2,8 +2,7 @@
 // Built with the flags of its catalogue.def row. Routes, first serving wins: the AVX-512 decode
 // route (<= 16 rows per kv head, gemm_decode.h), AMX for bf16 with >= kMinAmxRows rows per kv
 // head, the AVX-512-BF16 kernels for shorter bf16 sequences (a 32-row tile block would be mostly
-// padding), the float32 AVX-512 kernels for float32 / float16 (with
-// 4 x 6 register blocking: vec_avx512.h V512x46).
+// padding), the float32 AVX-512 kernels for float32 / float16 (4 x 6 blocking: vec_avx512.h V512x46).
 //
 // Same "rows in lanes" tile loop as every family (tile_loop.h); the AMX GEMM policy computes
 //   S^T[16 keys][16 rows] += K[16 keys][32 d] (A, bf16 rows)  x  Qpairs[16 pairs][16 rows] (B, VNNI)

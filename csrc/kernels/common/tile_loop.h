@@ -410,8 +410,8 @@ struct TileLoop {
     // chains as the max pass). If no lane's tile max passes its running max by more than
     // kRescaleLog2, that is exactly the two-pass result (m_new = m_old, no rescale); else, or
     // with a row that has seen no key yet (m = -inf), or scale <= 0, the two passes redo the block
-    // from s (bench/RESULTS.md, session 36: 1.04-1.06x on one AMX core). Only where P has a block
-    // of its own: float32 P overwrites s.
+    // from s (bench/RESULTS.md, session 36: 1.04-1.06x on one core of the 2-core Xeon with AMX,
+    // within +-3 % at 16 threads). Only where P has a block of its own: float32 P overwrites s.
     template <int NV>
     static void softmax_block(const ItemOperands& ops, int64_t nc, float* s, float* pb, float* m, float* l,
                               int64_t r0, float scale) {
