@@ -419,14 +419,15 @@ struct TileLoop {
         vec mx[NV], my[NV], neg_m[NV], sum[NV];
         bool one_pass = G::kPStore == PStore::bf16_pairs && scale > 0.f;
 #pragma GCC unroll 8
-        for (int v = 0; v < NV; ++v) {
-            const vec m_old = V::load(m + v * W);
-            one_pass = one_pass && !V::any_gt(V::set1(-FLT_MAX), m_old);  // no lane at -inf
-            neg_m[v] = V::sub(V::zero(), m_old);
-            mx[v] = my[v] = ninf;
-            sum[v] = V::zero();
-        }
+        for (int v = 0; v < NV; ++v)  // and no lane's running max at -inf
+            one_pass = one_pass && !V::any_gt(V::set1(-FLT_MAX), V::load(m + v * W));
         if (one_pass) {
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) {
+                neg_m[v] = V::sub(V::zero(), V::load(m + v * W));
+                mx[v] = my[v] = ninf;
+                sum[v] = V::zero();
+            }
             exp_pass<NV, true>(s, nc, pb, sc, neg_m, sum, mx, my);
             bool kept = true;
 #pragma GCC unroll 8
@@ -440,12 +441,12 @@ struct TileLoop {
                 for (int v = 0; v < NV; ++v) V::store(l + v * W, V::add(V::load(l + v * W), sum[v]));
                 return;
             }
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) mx[v] = my[v] = ninf;
         }
         // max(scale*s) = scale*max(s) exactly for scale > 0 (rounding is monotone); two keys per
         // step, so at least two chains per vector. The max of non-NaN values does not depend on
         // the order; a NaN score's lane is NaN after the exp pass whatever its max.
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) mx[v] = my[v] = ninf;
         auto at = [&](int64_t c, int v) { return scale > 0.f ? V::load(s + c * RB + v * W) : V::mul(V::load(s + c * RB + v * W), sc); };
         int64_t c = 0;
         for (; c + 2 <= nc; c += 2) {
