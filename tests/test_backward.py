@@ -225,8 +225,9 @@ def test_out_and_lse_from_the_oracle(rng):
 
 
 # Tile sizes of the families' backward (csrc/kernels/common/backward_loop.h): key tiles of 128
-# (avx2, AVX-512 families) or 64 (generic) keys, row blocks of 96 (64: the amx family's float32) / 16 / 8 rows (heads x queries),
-# and the driver's key splits at tile multiples. Shapes around them, primes, Nq != Nk both ways.
+# (avx2, AVX-512 families) or 64 (generic) keys, row blocks of 96 (64: the amx family's float32)
+# / 16 / 8 rows (heads x queries), and the driver's key splits at tile multiples. Shapes around
+# them, primes, Nq != Nk both ways.
 TILE_EDGE_SHAPES = [(1, 7), (7, 1), (63, 65), (65, 63), (64, 64), (127, 129), (129, 127), (128, 128),
                     (97, 193), (191, 97), (257, 131)]
 

@@ -19,10 +19,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <initializer_list>
 
-struct Cfg { uint8_t palette, start; uint8_t res[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+#include "../../csrc/kernels/common/amx_tiles.h"  // configure_full_tiles: the kernels' configuration
 alignas(64) static uint16_t A[8][512], B[8][512];
 alignas(64) static float S[32 * 96];
 
@@ -83,11 +82,7 @@ int main(int argc, char** argv) {
         std::puts("no AMX permission");
         return 1;
     }
-    Cfg c;
-    std::memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
-    _tile_loadconfig(&c);
+    fa2cpu::configure_full_tiles();
     for (int i = 0; i < 8; ++i)
         for (int j = 0; j < 512; ++j) { A[i][j] = 0x3f80; B[i][j] = 0x3380; }
     const double ratio = argc > 1 ? std::atof(argv[1]) : 1.44;

@@ -125,10 +125,12 @@ struct V512 {
 
 // V512 with 4 x 6 register blocking (RV x NK = RV x ND = 4 x 6: 24 accumulators, 4 row loads and
 // one broadcast, 29 of 32 zmm) for the amx family's float32 routes, forward and backward. AMX
-// CPUs are Intel's, where 4 x 6 measured faster than 6 x 4 (2-core Xeon with AMX, session 36,
-// in-process A/B, same bits: fp32 forward 1.02-1.04x at 1 and 2 threads, backward 1.01-1.05x;
-// bench/tools/f32_micro_bench.cpp 87 against 82 % of its FMA loop). Zen 5 preferred 6 x 4 (fewer
-// broadcasts per FMA), so the avx512 and avx512bf16 families, which AMD CPUs run, keep V512.
+// CPUs are Intel's, where 4 x 6 measured as fast or faster than 6 x 4 (session 36, in-process
+// A/B, same bits: 2-core Xeon with AMX, causal forward 1.02-1.06x at 2 threads, full forward and
+// backward within +-3 %; AMX test machine at 16 threads, forward 1.02-1.07x, backward 1.04-1.07x,
+// one thread within +-2 %; bench/tools/f32_micro_bench.cpp 81-87 against 80-82 % of its FMA
+// loop). Zen 5 preferred 6 x 4 (fewer broadcasts per FMA), so the avx512 and avx512bf16
+// families, which AMD CPUs run, keep V512.
 struct V512x46 : V512 {
     static constexpr int RV = 4, NK = 6, ND = 6;
 };
