@@ -32,6 +32,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     (``flash_attention(..., return_lse=True)``), returns ``(dq, dk, dv)`` of the loss
     ``sum(dout * out)``. The probabilities are recomputed tile by tile from ``lse``
     (``P = exp(s - lse)``), so memory stays O(N * D) per head: the Nq x Nk matrix is never formed.
+    Where a kv head's keys are split over work items, their float32 partial ``dq`` rows live in a
+    buffer that the calling thread keeps for its next backward (up to 256 MiB; larger ones are
+    freed after the call), as a training loop repeats the same shapes.
 
     Parameters
     ----------

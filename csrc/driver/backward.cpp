@@ -193,6 +193,18 @@ void reduce_on_thread(int64_t g, void* c) {
     reduce_group(*x.p, *x.plan, x.plan->groups[size_t(g)], x.part);
 }
 
+// The calling thread's dq partials, kept for its next call up to FA2CPU_BWD_KEEP_DQ_MB (a
+// training loop calls the backward with the same shapes again and again) and never cleared:
+// every partial row the reduction reads is written by its split (BackwardLoop::store_dq) first.
+// Fresh pages per call (faulted and zeroed by the kernel on first write) cost 3 % of a 1-thread
+// fp32 backward on the 2-core Xeon (H=8 N=2048, 16 MB of partials) and 3-7 % at 16 threads on the
+// AMX test machine (H=16 N=2048, H=32 N=4096: up to 256 MB); same bits (bench/RESULTS.md,
+// session 37).
+#ifndef FA2CPU_BWD_KEEP_DQ_MB
+#define FA2CPU_BWD_KEEP_DQ_MB 256
+#endif
+thread_local ThreadFloats tls_dq_partials{int64_t(FA2CPU_BWD_KEEP_DQ_MB) << 20};
+
 }  // namespace
 
 int backward(const BackwardParams& bp) {
@@ -203,11 +215,11 @@ int backward(const BackwardParams& bp) {
     const int threads = std::max(1, std::min(p.num_threads, max_useful_threads()));
     const Plan plan = make_plan(bp, K);
     if (plan.items.empty()) return 0;
-    // dq partials of split kv heads (kernel.h BackwardItem::part), float32 row-major per item:
-    // fresh memory per call, not kept (O(N * D) floats per split).
+    // dq partials of split kv heads (kernel.h BackwardItem::part), float32 row-major per item
+    // (O(N * D) floats per split), in the calling thread's buffer, kept for its next call.
     float* part = nullptr;
     if (plan.part_floats > 0) {
-        part = alloc_large(size_t(plan.part_floats) * sizeof(float));
+        part = tls_dq_partials.reserve(plan.part_floats);
         if (!part) return 1;
     }
     RunCtx ctx;
@@ -218,7 +230,7 @@ int backward(const BackwardParams& bp) {
     ctx.scratch_floats = K.scratch_floats(bp, plan.max_keys);
     parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
     if (!ctx.failed.load()) parallel_for(int64_t(plan.groups.size()), threads, &reduce_on_thread, &ctx);
-    std::free(part);
+    tls_dq_partials.trim();
     return ctx.failed.load() ? 1 : 0;
 }
 

@@ -105,9 +105,8 @@ constexpr int64_t kMinSplitBytes = int64_t(128) << 10;
 // make only 8 items, half of 16 threads idle (bench/RESULTS.md, issue 9).
 constexpr int64_t kSplitKeys = 64;
 // Shared K/V tiles (kernel.h SharedTiles) are used when they fit in this many bytes; the buffer
-// is kept for the calling thread's next call up to kKeepSharedBytes.
+// is kept for the calling thread's next call up to 64 MB (driver.h ThreadFloats).
 constexpr int64_t kSharedTilesBudgetBytes = int64_t(512) << 20;
-constexpr int64_t kKeepSharedBytes = int64_t(64) << 20;
 
 struct MergeGroup {
     WorkItem base;   // rows of the group (kb/ke unused)
@@ -376,24 +375,6 @@ struct RunCtx {
     // counts its children not yet complete.
     std::unique_ptr<std::atomic<int>[]> nodes;
     std::vector<int64_t> node_base;
-};
-
-// Floats of the calling thread reused by its next call, freed after a call that needed more
-// than kKeepSharedBytes (trim). reserve(n) -> at least n floats, 64-byte aligned (null: none).
-struct ThreadFloats {
-    float* data = nullptr;
-    int64_t floats = 0;
-    ~ThreadFloats() { std::free(data); }
-    float* reserve(int64_t n) {
-        if (n <= floats) return data;
-        std::free(data);
-        data = alloc_large(size_t(round_up(n, 16)) * 4);
-        floats = data ? n : 0;
-        return data;
-    }
-    void trim() {
-        if (floats * 4 > kKeepSharedBytes) { std::free(data); data = nullptr; floats = 0; }
-    }
 };
 
 // The calling thread's shared K/V tiles and their slots.
