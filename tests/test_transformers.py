@@ -417,6 +417,56 @@ def test_mask_descriptor_matches_sdpa_mask(q_len, kv_len, q_off, kv_off, window)
     assert torch.equal(ours, dense)
 
 
+@pytest.mark.parametrize("pads,window,all_real", [
+    (None, None, True),   # no attention mask
+    (0, None, True),      # a mask of ones
+    (2, None, False),     # left padding that the queries see
+    (2, 4, False),        # left padding outside a sliding window: unseen (has_padding False), still padding
+])
+def test_mask_descriptor_all_real(pads, window, all_real):
+    """``all_real`` (the KV cache then skips its padding analysis) only where the whole row is real
+    tokens, never where padding merely lies outside the window."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    fn = mu.causal_mask_function if window is None else mu.sliding_window_causal_mask_function(window)
+    am = None
+    if pads is not None:
+        am = torch.ones(1, 12, dtype=torch.bool)
+        am[0, :pads] = False
+    spec = fh.mask_spec(fh.fa2cpu_mask(batch_size=1, q_length=1, kv_length=12, q_offset=11, kv_offset=0,
+                                       mask_function=fn, attention_mask=am))
+    assert spec.all_real is all_real
+    assert spec.has_padding is (pads == 2 and window is None)
+
+
+def test_kvcache_decode_with_unseen_padding_matches_sdpa():
+    """A sliding-window model decoding past its window with left padding (descriptors whose
+    ``has_padding`` turns False while the row still holds padding, so ``all_real`` stays False and
+    the cache runs its padding analysis) matches sdpa's logits step by step. (Decodes without
+    padding, which take the all-real shortcut, are compared with sdpa by the decoder tests above.)"""
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=101,
+                                     sliding_window=4, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    ids = torch.randint(3, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    am = torch.ones(2, 9, dtype=torch.long)
+    am[1, :3] = 0
+    steps = {}
+    for impl in ("sdpa", "fa2cpu"):
+        model.set_attn_implementation(impl)
+        cache = fh.KVCache(model.config, 2, 32) if impl == "fa2cpu" else transformers.DynamicCache(config=model.config)
+        logits, nxt, mask = [], ids, am
+        with torch.no_grad():
+            for _ in range(6):  # the prompt, then decode steps past the window
+                out = model(nxt, attention_mask=mask, past_key_values=cache)
+                logits.append(out.logits[:, -1])
+                nxt = out.logits[:, -1:].argmax(-1)
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+        steps[impl] = logits
+    for a, b in zip(steps["fa2cpu"], steps["sdpa"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # encoders, gradients
 # ---------------------------------------------------------------------------------------------

@@ -219,6 +219,8 @@ class _KVLayer(CacheLayerMixin):
         padding row (not just the visible part: dropped pads must stay masked everywhere)."""
         if spec is None:  # no mask at all: every position is a real token
             return _APPEND if self._uniform else _GENERAL
+        if spec.all_real and self._uniform:  # the analysis below would find the same
+            return _APPEND
         memo_key = (self.length, None if self._uniform else self.offsets[:self.batch].tobytes())
         plan = spec.memo.get(memo_key)
         if plan is not None:
@@ -269,7 +271,8 @@ class _KVLayer(CacheLayerMixin):
         elif attention_mask.ndim == 2:  # a bare padding mask
             causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
             attention_mask = attention_mask[:, -total:].to(torch.bool)[:, None, None, :]
-            spec = MaskSpec(-1, 0 if causal else -1, self.length, not bool(attention_mask.all()), query.shape[2], total)
+            all_real = bool(attention_mask.all())
+            spec = MaskSpec(-1, 0 if causal else -1, self.length, not all_real, query.shape[2], total, all_real)
             lo, hi = spec.lo, spec.hi
         else:
             dense, lo, hi = attention_mask[..., :total], -1, -1

@@ -18,12 +18,15 @@ class MaskSpec:
     key ``j`` iff ``i + delta - lo <= j <= i + delta + hi`` (``-1`` = unbounded) and the padding
     row allows ``j``. Causal: ``hi = 0``; sliding window ``W``: ``lo = W - 1``.
     ``has_padding``: some key that a query could see is padding (else the row is not passed on).
+    ``all_real``: no key of the whole row is padding (False where that was not established), so
+    the KV cache needs no padding analysis (a decode step without padding costs no tensor op).
     """
-    __slots__ = ("lo", "hi", "delta", "has_padding", "q_length", "kv_length", "memo")
+    __slots__ = ("lo", "hi", "delta", "has_padding", "q_length", "kv_length", "all_real", "memo")
 
-    def __init__(self, lo, hi, delta, has_padding, q_length, kv_length):
+    def __init__(self, lo, hi, delta, has_padding, q_length, kv_length, all_real=False):
         self.lo, self.hi, self.delta = lo, hi, delta
         self.has_padding, self.q_length, self.kv_length = has_padding, q_length, kv_length
+        self.all_real = all_real
         self.memo = {}  # KVCache padding analysis, shared by the layers that get this descriptor
 
     def __repr__(self):
@@ -104,7 +107,7 @@ def fa2cpu_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
     padding = _mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     if padding is None:
         row = torch.ones((batch_size, 1, 1, kv_length), dtype=torch.bool, device=device)
-        has_padding = False
+        has_padding, all_real = False, True
     else:
         padding = padding[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
         if padding.shape[0] != batch_size:
@@ -112,8 +115,9 @@ def fa2cpu_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_f
         first = 0 if lo < 0 else min(kv_length, max(0, delta - lo))
         last = kv_length if hi < 0 else min(kv_length, max(0, q_length + delta + hi))
         has_padding = first < last and not bool(padding[:, first:last].all())
+        all_real = first == 0 and last == kv_length and not has_padding  # the checked range is the row
         row = padding[:, None, None, :].contiguous()
-    setattr(row, _SPEC_ATTR, MaskSpec(lo, hi, delta, has_padding, q_length, kv_length))
+    setattr(row, _SPEC_ATTR, MaskSpec(lo, hi, delta, has_padding, q_length, kv_length, all_real))
     return row
 
 

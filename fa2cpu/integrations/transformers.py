@@ -158,7 +158,8 @@ def _plan(module, attention_mask, is_causal, m, n):
         # A bare 2-D padding mask (FA2 style): causal per the module, bottom-right aligned.
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         row = attention_mask[:, -n:].to(torch.bool)[:, None, None, :]
-        spec = MaskSpec(-1, 0 if causal else -1, n - m, not bool(row.all()), m, n)
+        all_real = bool(row.all())
+        spec = MaskSpec(-1, 0 if causal else -1, n - m, not all_real, m, n, all_real)
         attention_mask = row
     if spec is not None:
         if spec.kv_length != n or spec.q_length != m:
