@@ -458,7 +458,7 @@ def test_kvcache_decode_with_unseen_padding_matches_sdpa():
         logits, nxt, mask = [], ids, am
         with torch.no_grad():
             for _ in range(6):  # the prompt, then decode steps past the window
-                out = model(nxt, attention_mask=mask, past_key_values=cache)
+                out = model(nxt, attention_mask=mask, **{CACHE_KW: cache})
                 logits.append(out.logits[:, -1])
                 nxt = out.logits[:, -1:].argmax(-1)
                 mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
