@@ -5,10 +5,10 @@ the cache layer's _padding_plan / _attend / _step_attend, decode calls only: mea
 
     PYTHONPATH=$PWD python bench/tools/kvcache_decode_parts.py THREADS
 """
-import sys, time, statistics, collections
+import collections, os, statistics, sys, time
 T = sys.argv[1] if len(sys.argv) > 1 else "2"
 sys.argv = ["x", T]
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # bench/: decode_anatomy
 import decode_anatomy as da
 from fa2cpu.integrations import _hf_cache
 L = _hf_cache._KVLayer

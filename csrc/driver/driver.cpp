@@ -59,6 +59,18 @@ float* alloc_large(size_t bytes) {
     return static_cast<float*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
 }
 
+ThreadFloats::~ThreadFloats() { std::free(data); }
+float* ThreadFloats::reserve(int64_t n) {
+    if (n <= floats) return data;
+    std::free(data);
+    data = alloc_large(size_t(round_up(n, 16)) * 4);
+    floats = data ? n : 0;
+    return data;
+}
+void ThreadFloats::trim() {
+    if (floats * 4 > keep_bytes) { std::free(data); data = nullptr; floats = 0; }
+}
+
 void check_params(const Params& p, const char* entry) {
     auto fail = [entry](const std::string& what) { throw std::invalid_argument(std::string("fa2cpu::") + entry + ": " + what); };
     if (p.dtype < 0 || p.dtype >= int(DType::count) || is_code_dtype(DType(p.dtype)))

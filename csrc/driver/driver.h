@@ -2,7 +2,6 @@
 // no -m flags, like them.
 #pragma once
 #include <cstdint>
-#include <cstdlib>
 
 #include "fa2cpu/fa2cpu.h"
 
@@ -27,22 +26,14 @@ float* alloc_large(size_t bytes);
 // A call's large buffer kept by the calling thread for its next call (freshly allocated memory
 // faults and is zeroed by the kernel on its first write: fresh dq partials cost 3-5 % of a
 // backward whose kv heads are split), unless the call needed more than keep_bytes: trim() then
-// frees it. reserve(n) -> at least n floats from alloc_large (null: none).
+// frees it. reserve(n) -> at least n floats from alloc_large (null: none). (driver.cpp)
 struct ThreadFloats {
     int64_t keep_bytes = int64_t(64) << 20;
     float* data = nullptr;
     int64_t floats = 0;
-    ~ThreadFloats() { std::free(data); }
-    float* reserve(int64_t n) {
-        if (n <= floats) return data;
-        std::free(data);
-        data = alloc_large(size_t((n + 15) / 16 * 16) * 4);
-        floats = data ? n : 0;
-        return data;
-    }
-    void trim() {
-        if (floats * 4 > keep_bytes) { std::free(data); data = nullptr; floats = 0; }
-    }
+    ~ThreadFloats();
+    float* reserve(int64_t n);
+    void trim();
 };
 
 }  // namespace fa2cpu

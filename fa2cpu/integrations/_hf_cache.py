@@ -15,7 +15,7 @@ from fa2cpu import torch as _ft
 from fa2cpu._torch_bridge import _CODES, _FLOATS, _np, _tensor
 from fa2cpu.attention import _quantize
 
-from ._hf_masks import _SPEC_ATTR, MaskSpec
+from ._hf_masks import _SPEC_ATTR, padding_row_spec
 
 _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # kv_dtype of a quantized cache
 
@@ -269,10 +269,8 @@ class _KVLayer(CacheLayerMixin):
             causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
             lo, hi = -1, (0 if causal else -1)
         elif attention_mask.ndim == 2:  # a bare padding mask
-            causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-            attention_mask = attention_mask[:, -total:].to(torch.bool)[:, None, None, :]
-            all_real = bool(attention_mask.all())
-            spec = MaskSpec(-1, 0 if causal else -1, self.length, not all_real, query.shape[2], total, all_real)
+            attention_mask, spec = padding_row_spec(module, attention_mask, is_causal, query.shape[2], total,
+                                                    self.length)
             lo, hi = spec.lo, spec.hi
         else:
             dense, lo, hi = attention_mask[..., :total], -1, -1

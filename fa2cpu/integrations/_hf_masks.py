@@ -34,6 +34,16 @@ class MaskSpec:
                 f"q_length={self.q_length}, kv_length={self.kv_length})")
 
 
+def padding_row_spec(module, attention_mask, is_causal, q_length, kv_length, delta):
+    """A bare 2-D padding mask (FA2 style, ``(B, >= kv_length)``, its last ``kv_length`` keys) ->
+    ``(row, spec)``: the bool row ``(B, 1, 1, kv_length)`` and its :class:`MaskSpec`, causal per
+    ``is_causal`` or else the module (bottom-right aligned: query 0 at key ``delta``)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    row = attention_mask[:, -kv_length:].to(torch.bool)[:, None, None, :]
+    all_real = bool(row.all())
+    return row, MaskSpec(-1, 0 if causal else -1, delta, not all_real, q_length, kv_length, all_real)
+
+
 def mask_spec(mask):
     """The :class:`MaskSpec` of a mask descriptor, or None for any other mask."""
     return getattr(mask, _SPEC_ATTR, None)

@@ -68,7 +68,8 @@ from fa2cpu._checks import MAX_HEAD_DIM
 
 # _KVLayer and _recognise are also reached from here by tests and bench/hf_attention.py.
 from ._hf_cache import _PENDING_ATTR, _REGISTERED, KVCache, _KVLayer  # noqa: F401
-from ._hf_masks import MaskSpec, _dense_from_spec, _kernel_window, _recognise, fa2cpu_mask, mask_spec  # noqa: F401
+from ._hf_masks import (MaskSpec, _dense_from_spec, _kernel_window, _recognise, fa2cpu_mask, mask_spec,  # noqa: F401
+                        padding_row_spec)
 
 __all__ = ["register", "fa2cpu_attention_forward", "fa2cpu_mask", "KVCache", "MaskSpec"]
 
@@ -156,11 +157,7 @@ def _plan(module, attention_mask, is_causal, m, n):
     spec = mask_spec(attention_mask)
     if spec is None and attention_mask is not None and attention_mask.ndim == 2:
         # A bare 2-D padding mask (FA2 style): causal per the module, bottom-right aligned.
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        row = attention_mask[:, -n:].to(torch.bool)[:, None, None, :]
-        all_real = bool(row.all())
-        spec = MaskSpec(-1, 0 if causal else -1, n - m, not all_real, m, n, all_real)
-        attention_mask = row
+        attention_mask, spec = padding_row_spec(module, attention_mask, is_causal, m, n, n - m)
     if spec is not None:
         if spec.kv_length != n or spec.q_length != m:
             raise RuntimeError(f"fa2cpu: the mask was built for {spec.q_length} queries x {spec.kv_length} keys, "
