@@ -1,5 +1,10 @@
 """fa2cpu against torch SDPA, interleaved in one process: median ms of each and the ratio
 (torch / fa2cpu, > 1 means fa2cpu is faster) for a fixed list of prefill and decode cases.
+Prefill rows also give both GFLOP/s as % of the chosen family's multiply-add probe
+(`fa2cpu._core.peak_gflops`, fp32 FMA or bf16 tile / dot product) measured between the
+repetitions, so the denominator comes from the same minutes as the times: this VM's speed moved
+~35 % within an hour (bench/RESULTS.md, session 38), which made a probe taken once at the start a
+poor denominator.
 
     python bench/vs_torch.py --threads 16 [--cases prefill,decode] [--reps 7]
 
@@ -16,6 +21,7 @@ import numpy as np
 import torch
 
 import fa2cpu
+from fa2cpu.bench import visible_pairs
 
 PREFILL = [("bf16", 2048, False), ("bf16", 2048, True), ("bf16", 4096, False), ("bf16", 4096, True),
            ("fp32", 2048, False), ("fp32", 4096, False), ("fp32", 4096, True)]
@@ -53,7 +59,8 @@ def main():
     rng = np.random.default_rng(0)
     print(f"# fa2cpu {fa2cpu.get_isa()}, torch {torch.__version__}, {a.threads} threads")
     ab = f" {a.ab_env + '=0 ms':>22s} {'ratio':>6s}" if a.ab_env else ""
-    print(f"{'case':40s} {'fa2cpu ms':>10s} {'torch ms':>10s} {'ratio':>6s}{ab}")
+    print(f"{'case':40s} {'fa2cpu ms':>10s} {'torch ms':>10s} {'ratio':>6s} {'probe GF/s':>10s} "
+          f"{'% fa2cpu':>8s} {'% torch':>7s}{ab}")
     rows = []
     if "prefill" in a.cases:
         for dt, n, causal in [c for c in PREFILL if c[1] <= a.max_n]:
@@ -65,7 +72,9 @@ def main():
             def theirs(q=tq, k=tk, v=tv, causal=causal):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-            rows.append((f"prefill {dt} H={a.heads} N={n} D=128 {'causal' if causal else 'full'}", ours, theirs))
+            flops = 4.0 * a.heads * visible_pairs(n, n, causal) * 128
+            rows.append((f"prefill {dt} H={a.heads} N={n} D=128 {'causal' if causal else 'full'}", ours, theirs,
+                         dt, flops))
     if "decode" in a.cases:
         for dt, nk in DECODE:
             B, Hq, Hk = 16, 32, 8
@@ -80,10 +89,13 @@ def main():
             def theirs(q=tq, k=tk, v=tv):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-            rows.append((f"decode {dt} B=16 H=32/8 Nk={nk} D=128", ours, theirs))
-    for name, ours, theirs in rows:
-        to, tt, tb = [], [], []
+            rows.append((f"decode {dt} B=16 H=32/8 Nk={nk} D=128", ours, theirs, dt, None))
+    family = fa2cpu.get_isa()
+    for name, ours, theirs, dt, flops in rows:
+        to, tt, tb, peaks = [], [], [], []
         for _ in range(3):  # alternate, so drift hits all
+            if flops:
+                peaks.append(fa2cpu._core.peak_gflops(family, dt, a.threads, 0.1))
             if a.ab_env:
                 os.environ[a.ab_env] = "1"
             to.append(timed(ours, a.reps))
@@ -94,6 +106,11 @@ def main():
                 os.environ[a.ab_env] = "1"
         mo, mt = statistics.median(to), statistics.median(tt)
         line = f"{name:40s} {mo * 1e3:10.2f} {mt * 1e3:10.2f} {mt / mo:6.2f}"
+        if flops:
+            pk = statistics.median(peaks)
+            line += f" {pk:10.0f} {100 * flops / mo / 1e9 / pk:7.0f}% {100 * flops / mt / 1e9 / pk:6.0f}%"
+        else:
+            line += f" {'':10s} {'':8s} {'':7s}"
         if tb:
             mb = statistics.median(tb)
             line += f" {mb * 1e3:22.2f} {mt / mb:6.2f}"
