@@ -31,6 +31,7 @@
 
 #include "amx_tiles.h"
 #include "backward_loop.h"
+#include "gemm_bf16.h"
 #include "vec_avx512.h"
 
 namespace fa2cpu {
@@ -191,33 +192,22 @@ struct AmxProducts {
         tile_gemm<false>(x.kr + ck * x.ldq, x.ldq, nullptr, 0, x.qp + r0, kGroupRows, x.ldq / 2, np, rows, s, RB);
         tile_gemm<false>(x.vr + ck * x.ldo, x.ldo, nullptr, 0, x.dop + r0, kGroupRows, x.ldo / 2, np, rows, dp, RB);
     }
-    // P^T and dS^T of key c straight from the softmax gradient as bf16 rows; dS also in float32
-    // (dp) for its key pairs. P in float32 (s) is not needed.
-    static void store_gradients(Bufs& x, int64_t at, float*, float* dpp, __m512 pr, __m512 ds) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), (__m256i)_mm512_cvtneps_pbh(pr));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), (__m256i)_mm512_cvtneps_pbh(ds));
-        _mm512_storeu_ps(dpp, ds);
+    // P^T, dS^T and the dS pairs straight from the softmax gradient (gemm_bf16.h); nothing in float32.
+    static void store_gradient_pair(Bufs& x, int64_t c, int v, bool both, __m512 pr0, __m512 ds0, __m512 pr1, __m512 ds1) {
+        store_gradient_pair_bf16<RB>(x.pT, x.dsT, x.dsp, c, v, both, pr0, ds0, pr1, ds1);
     }
     static void updates(Bufs& x, int nv, int64_t r0, int64_t, int64_t ck, int64_t n, int64_t, const float*,
-                        const float* dp, float* dkall, float* dvall, float* dqT) {
+                        const float*, float* dkall, float* dvall, float* dqT) {
         const int64_t np = round_up(n, 32), rows = nv * W;
-        // P^T, dS^T (store_gradients) zero past n; dS as pairs of keys.
+        // P^T, dS^T (store_gradient_pair) zero past n, the dS pairs past ceil(n / 2).
         for (int64_t c = n; c < np; ++c)
             for (int v = 0; v < nv; ++v) {
                 const int64_t at = c * RB + v * W;
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), _mm256_setzero_si256());
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), _mm256_setzero_si256());
             }
-        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        for (int64_t c2 = 0; c2 < np / 2; ++c2)
-            for (int v = 0; v < nv; ++v) {
-                const __m512 e0 = 2 * c2 < n ? _mm512_loadu_ps(dp + 2 * c2 * RB + v * W) : _mm512_setzero_ps();
-                const __m512 e1 = 2 * c2 + 1 < n ? _mm512_loadu_ps(dp + (2 * c2 + 1) * RB + v * W) : _mm512_setzero_ps();
-                // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
-                const __m512i e = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-                _mm512_storeu_si512(x.dsp + c2 * RB + v * W, _mm512_permutexvar_epi16(inter, e));
-            }
+        for (int64_t c2 = (n + 1) / 2; c2 < np / 2; ++c2)
+            for (int v = 0; v < nv; ++v) _mm512_storeu_si512(x.dsp + c2 * RB + v * W, _mm512_setzero_si512());
         const int64_t pr0 = r0 / 2;
         tile_gemm<true>(x.pT, RB, nullptr, 0, x.dorp + pr0 * x.ldo, x.ldo, rows / 2, np, x.ldo, dvall + ck * x.ldo, x.ldo);
         tile_gemm<true>(x.dsT, RB, nullptr, 0, x.qrp + pr0 * x.ldq, x.ldq, rows / 2, np, x.ldq, dkall + ck * x.ldq, x.ldq);

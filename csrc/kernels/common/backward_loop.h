@@ -6,7 +6,8 @@
 // runs AmxProducts (backward_amx.h, AMX tiles; vdpbf16ps runs at half the float32 FMA rate on
 // Intel cores, tdpbf16ps at ~13x). A policy also states the padding its operands need
 // (kRowAlign, kFeatureAlign, kKeyPad, dq_features), its row block RB, and may stage rows
-// (pack_row, then finish_rows once per group) and store P / dS its own way (store_gradients).
+// (pack_row, then finish_rows once per group) and store P / dS its own way (store_gradients, or
+// store_gradient_pair two keys at a time: the amx policy writes its bf16 operands directly).
 //
 // Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
 // [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
@@ -40,7 +41,9 @@
 //                        rowsum(dO o O), alibi slope * log2(e)
 //   first_key, last_key, diagonal [GR] int64: visible keys of the row within [kb, ke), its diagonal
 //   s, dp [P::kUpdateBlocks][BC][RB]: S then P, dP then dS, of up to kUpdateBlocks row blocks of
-//                        one key range (key c, row lane r of the block at c*RB + r of its slot)
+//                        one key range (key c, row lane r of the block at c*RB + r of its slot);
+//                        a policy with store_gradient_pair leaves S and dP there and keeps P / dS
+//                        in operands of its own
 //
 // Per (key tile, row block) with visible keys, on the sub-range [cb, ce) of keys some row of the
 // block sees: S^T = K Q^T, dP^T = V dO^T; P = exp2(scale' s - lse2), dS = scale P (dP - D_i)
@@ -75,7 +78,7 @@ struct Carver {
 // A products policy P of BackwardLoop<V, P> supplies its operand buffers (`carve`), the packing of
 // keys and rows, and the five tile products around the shared softmax gradient:
 //   scores:  S^T = K Q^T and dP^T = V dO^T of a row block into s / dp [BC][RB] (float32)
-//   updates: dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T from P in s and dS in dp
+//   updates: dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T from P in s and dS in dp (store_gradients)
 template <class V>
 struct F32Products {
     using G = F32Gemm<V>;
@@ -257,6 +260,13 @@ struct BackwardLoop {
     static constexpr int64_t BC = F32Gemm<V>::BC;
     static constexpr int64_t kGroupRows = P::kGroupRows;
     static constexpr int64_t kSlot = BC * RB;  // floats of one row block's S / P (or dP / dS): [BC][RB]
+    // Policies with store_gradient_pair (backward_amx.h) take P and dS two keys at a time, so dS
+    // goes straight into its key pairs instead of through float32 dS in dp.
+    template <class X, class = void>
+    struct HasPairGradients : std::false_type {};
+    template <class X>
+    struct HasPairGradients<X, std::void_t<decltype(&X::store_gradient_pair)>> : std::true_type {};
+    static constexpr bool kPairGradients = HasPairGradients<P>::value;
     static_assert(RB % W == 0 && kGroupRows % RB == 0, "row groups are whole row blocks of whole vectors");
     static_assert(P::kRowAlign % W == 0 && RB % P::kRowAlign == 0, "padded rows stay whole vectors of a block");
 
@@ -442,10 +452,9 @@ struct BackwardLoop {
             const RowBounds<V> rb = row_bounds<V>(first_key, last_key, diagonal, rv, cb, n);
             const vec lo = rb.lo, hi = rb.hi, rl = rb.rl, sl = V::load(slope + rv);
             const vec l2 = V::load(lse2 + rv), di = V::load(delta + rv);
-            for (int64_t c = 0; c < n; ++c) {
-                float* sp = s + c * RB + v * W;
-                float* dpp = dp + c * RB + v * W;
-                vec x = V::mul(V::load(sp), qs);
+            // P and dS of key c for this vector of rows
+            auto grad = [&](int64_t c, vec& pr, vec& ds) {
+                vec x = V::mul(V::load(s + c * RB + v * W), qs);
                 vec t = zero;
                 if (use_softcap) {
                     t = V::tanh(x);
@@ -453,14 +462,27 @@ struct BackwardLoop {
                 }
                 const vec kc = V::set1(float(c));
                 if (alibi) x = V::fma(sl, V::abs(V::sub(rl, kc)), x);
-                vec pr = V::exp2(V::sub(x, l2));
-                vec ds = V::mul(V::mul(pr, V::sub(V::load(dpp), di)), ds_scale);
+                pr = V::exp2(V::sub(x, l2));
+                ds = V::mul(V::mul(pr, V::sub(V::load(dp + c * RB + v * W), di)), ds_scale);
                 if (use_softcap) ds = V::mul(ds, V::sub(one, V::mul(t, t)));
                 if (range_mask) {
                     pr = V::mask_outside(pr, kc, lo, hi, zero);
                     ds = V::mask_outside(ds, kc, lo, hi, zero);
                 }
-                P::store_gradients(ops, c * RB + v * W, sp, dpp, pr, ds);
+            };
+            if constexpr (kPairGradients) {  // keys c, c+1 together (an odd last key with zeros)
+                for (int64_t c = 0; c < n; c += 2) {
+                    vec pr0, ds0, pr1 = zero, ds1 = zero;
+                    grad(c, pr0, ds0);
+                    if (c + 1 < n) grad(c + 1, pr1, ds1);
+                    P::store_gradient_pair(ops, c, v, c + 1 < n, pr0, ds0, pr1, ds1);
+                }
+            } else {
+                for (int64_t c = 0; c < n; ++c) {
+                    vec pr, ds;
+                    grad(c, pr, ds);
+                    P::store_gradients(ops, c * RB + v * W, s + c * RB + v * W, dp + c * RB + v * W, pr, ds);
+                }
             }
         }
     }

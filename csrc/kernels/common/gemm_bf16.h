@@ -208,5 +208,28 @@ struct Bf16Gemm : TransposedO<V> {
     }
 };
 
+// The backward's softmax gradient of keys c and c+1 (c even; c+1 only when `both`) for one vector
+// of rows (lanes v*16..), stored without going through float32: P^T and dS^T as bf16 rows of
+// [key][RB] (the dV / dK operands) and dS as key pair c/2 of [pairs][RB] (the dQ operand, this
+// file's pair layout; ds1 is zero for an odd last key). backward_loop.h calls it through the amx
+// policy's store_gradient_pair (backward_amx.h: 1.00-1.03x, same bits). The vdpbf16ps policy
+// (backward_bf16.h) keeps float32 P / dS and converts them in its updates: this store measured
+// 0.987-0.996x there (2-core Xeon, FA2CPU_ISA=avx512bf16, bench/RESULTS.md session 38).
+template <int RB>
+inline void store_gradient_pair_bf16(uint16_t* pT, uint16_t* dsT, uint32_t* dsp, int64_t c, int v, bool both,
+                                     __m512 pr0, __m512 ds0, __m512 pr1, __m512 ds1) {
+    const int64_t at = c * RB + v * 16;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at), (__m256i)_mm512_cvtneps_pbh(pr0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at), (__m256i)_mm512_cvtneps_pbh(ds0));
+    if (both) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at + RB), (__m256i)_mm512_cvtneps_pbh(pr1));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at + RB), (__m256i)_mm512_cvtneps_pbh(ds1));
+    }
+    // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_si512(dsp + (c / 2) * RB + v * 16, _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(ds1, ds0)));
+}
+
 }  // namespace
 }  // namespace fa2cpu
