@@ -446,6 +446,22 @@ struct BackwardLoop {
         const bool use_softcap = p.softcap > 0.f, alibi = p.alibi != nullptr;
         const vec qs = V::set1(use_softcap ? p.scale / p.softcap : p.scale * kLog2e);
         const vec cap = V::set1(p.softcap * kLog2e), one = V::set1(1.f), ds_scale = V::set1(p.scale), zero = V::zero();
+        if constexpr (kPairGradients) {
+            if (!use_softcap && !alibi && !range_mask) {  // keys outer, vectors inner: s, dp in address order
+                auto grad = [&](int64_t c, int v, vec& pr, vec& ds) {  // the loop below without its options
+                    pr = V::exp2(V::sub(V::mul(V::load(s + c * RB + v * W), qs), V::load(lse2 + r0 + v * W)));
+                    ds = V::mul(V::mul(pr, V::sub(V::load(dp + c * RB + v * W), V::load(delta + r0 + v * W))), ds_scale);
+                };
+                for (int64_t c = 0; c < n; c += 2)
+                    for (int v = 0; v < nv; ++v) {
+                        vec pr0, ds0, pr1 = zero, ds1 = zero;
+                        grad(c, v, pr0, ds0);
+                        if (c + 1 < n) grad(c + 1, v, pr1, ds1);
+                        P::store_gradient_pair(ops, c, v, c + 1 < n, pr0, ds0, pr1, ds1);
+                    }
+                return;
+            }
+        }
         for (int v = 0; v < nv; ++v) {
             const int64_t rv = r0 + v * W;
             // Row bounds and diagonals relative to cb (policy.h row_bounds).
