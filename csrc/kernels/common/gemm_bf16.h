@@ -21,6 +21,15 @@
 namespace fa2cpu {
 namespace {
 
+// 16 bf16 pairs (e0[i], e1[i]) as one uint32 each, e0 in the low half (round to nearest even):
+// the pair layout of this file. cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; the permute
+// interleaves it to a0 b0 a1 b1 ...
+inline __m512i bf16_pairs(__m512 e0, __m512 e1) {
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+}
+
 template <class V>
 struct Bf16Gemm : TransposedO<V> {
     static constexpr int W = 16;
@@ -194,11 +203,7 @@ struct Bf16Gemm : TransposedO<V> {
 
     // P of keys (2*c2, 2*c2+1) for row vector v -> bf16 pairs in pbuf [C2][RB] (round to nearest even).
     static void store_p_pair(float* pbuf, int64_t c2, int v, __m512 e0, __m512 e1) {
-        // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
-        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-        const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_storeu_si512(reinterpret_cast<uint32_t*>(pbuf) + c2 * RB + v * W, _mm512_permutexvar_epi16(inter, x));
+        _mm512_storeu_si512(reinterpret_cast<uint32_t*>(pbuf) + c2 * RB + v * W, bf16_pairs(e0, e1));
     }
 
     // O^T += P V from the pairs the softmax wrote (PStore::bf16_pairs).
@@ -225,10 +230,7 @@ inline void store_gradient_pair_bf16(uint16_t* pT, uint16_t* dsT, uint32_t* dsp,
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at + RB), (__m256i)_mm512_cvtneps_pbh(pr1));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at + RB), (__m256i)_mm512_cvtneps_pbh(ds1));
     }
-    // cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; interleave to a0 b0 a1 b1 ...
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    _mm512_storeu_si512(dsp + (c / 2) * RB + v * 16, _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(ds1, ds0)));
+    _mm512_storeu_si512(dsp + (c / 2) * RB + v * 16, bf16_pairs(ds0, ds1));
 }
 
 }  // namespace
