@@ -68,6 +68,29 @@ struct F32Gemm : TransposedO<V> {
     static KvTile v_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.v, p.v_batch_stride, p.v_row_stride, p.v_dim_stride, p.dv, b, c0, nc, head, buf);
     }
+    // A V tile for a shared slot (policy.h v_panels): panels of ND columns, [ceil(Dv/ND)][BC][ND]
+    // (columns past Dv zero), so that pv_micro reads its ND columns of consecutive keys from one
+    // contiguous run instead of one row per key 4 * Dv bytes apart. Row-major V read in place
+    // cost the fp32 forward 6-9 % (in-process A/B, same bits: 2-core Xeon with AMX, amx family,
+    // bench/RESULTS.md session 39): each PV step touched a new line for 4 * ND bytes, and rows
+    // 512 B apart fall into 8 of L1's 64 sets. Packing costs one pass over V per (sequence, kv
+    // head), so only shared slots take this layout; an item's own tiles stay rows.
+    static int64_t v_panel_floats(int64_t Dv) { return BC * round_up(Dv, ND); }
+    static KvTile v_panels(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
+        const DType dt = DType(p.dtype);
+        const int64_t Dv = p.dv, chunks = (Dv + ND - 1) / ND;
+        alignas(64) float row[kMaxHeadDim + ND];
+        for (int64_t c = 0; c < nc; ++c) {
+            V::load_row(row, elem_ptr(p.v, k_row_offset(p, b, c0 + c, p.v_batch_stride, p.v_row_stride) + head, dt), Dv,
+                        p.v_dim_stride, dt);
+            for (int64_t j = Dv; j < chunks * ND; ++j) row[j] = 0.f;
+            for (int64_t k = 0; k < chunks; ++k)
+                for (int t = 0; t < ND; ++t) buf[(k * BC + c) * ND + t] = row[k * ND + t];
+        }
+        KvTile t{buf, BC * ND, 0, 0};
+        t.panels = true;
+        return t;
+    }
     static KvTile tile(const Params& p, const void* base, int64_t batch_stride, int64_t row_stride,
                        int64_t dim_stride, int64_t n, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const DType dt = DType(p.dtype);
@@ -163,15 +186,18 @@ struct F32Gemm : TransposedO<V> {
         for (int64_t d0 = kDC; d0 < D; d0 += kDC)
             qk_pass<NV, true>(qT + d0 * M, M, kt + d0, ldk, D - d0 < kDC ? D - d0 : kDC, nc, s);
     }
-    template <int NV>
+    // (kPanels: V in panels of ND columns, column j of key c at vt[(j / ND) * ldv + c * ND + j % ND],
+    // ldv the panels' stride; the same products in the same order as rows)
+    template <int NV, bool kPanels = false>
     static void pv_block(const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
+        const int64_t step = kPanels ? ND : ldv;  // between keys
         for (int64_t c0 = 0; c0 < nc; c0 += CC) {
             const int64_t n = nc - c0 < CC ? nc - c0 : CC;
             const float* sc = s + c0 * RB;
-            const float* vc = vt + c0 * ldv;
+            auto at = [&](int64_t j) { return kPanels ? vt + j / ND * ldv + c0 * ND : vt + c0 * ldv + j; };
             int64_t j = 0;
-            for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(sc, n, vc + j, ldv, oT + j * M, M);
-            if (j < Dv) pv_tail<NV>(int(Dv - j), sc, n, vc + j, ldv, oT + j * M, M);
+            for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(sc, n, at(j), step, oT + j * M, M);
+            if (j < Dv) pv_tail<NV>(int(Dv - j), sc, n, at(j), step, oT + j * M, M);
         }
     }
     // Row blocks of nv = 1..RV vectors (the last block of an item may be partial).
@@ -182,11 +208,11 @@ struct F32Gemm : TransposedO<V> {
             else qk_nv<kDC, NV - 1>(nv, qT, M, kt, ldk, D, nc, s);
         }
     }
-    template <int NV = RV>
+    template <int NV = RV, bool kPanels = false>
     static void pv_nv(int nv, const float* s, int64_t nc, const float* vt, int64_t ldv, int64_t Dv, float* oT, int64_t M) {
         if constexpr (NV >= 1) {
-            if (nv == NV) pv_block<NV>(s, nc, vt, ldv, Dv, oT, M);
-            else pv_nv<NV - 1>(nv, s, nc, vt, ldv, Dv, oT, M);
+            if (nv == NV) pv_block<NV, kPanels>(s, nc, vt, ldv, Dv, oT, M);
+            else pv_nv<NV - 1, kPanels>(nv, s, nc, vt, ldv, Dv, oT, M);
         }
     }
 
@@ -196,7 +222,9 @@ struct F32Gemm : TransposedO<V> {
         qk_nv(rows.vectors, x.q + rows.r0, x.M, static_cast<const float*>(k.data), k.ld, x.d, keys, s);
     }
     static void pv(const ItemOperands& x, const RowBlock& rows, float* s, int64_t keys, const KvTile& v) {
-        pv_nv(rows.vectors, s, keys, static_cast<const float*>(v.data), v.ld, x.dv, x.o + rows.r0, x.M);
+        const float* vt = static_cast<const float*>(v.data);
+        if (v.panels) pv_nv<RV, true>(rows.vectors, s, keys, vt, v.ld, x.dv, x.o + rows.r0, x.M);
+        else pv_nv(rows.vectors, s, keys, vt, v.ld, x.dv, x.o + rows.r0, x.M);
     }
 };
 

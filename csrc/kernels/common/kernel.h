@@ -45,6 +45,7 @@ struct KvTile {
     int64_t ld, head_stride, prefetch;
     const float* scale = nullptr;
     int64_t scale_ld = 0, scale_head_stride = 0;
+    bool panels = false;  // V in the policy's v_panels layout (gemm_f32.h), not rows
 };
 
 // K/V tiles packed once per (sequence, kv head) and shared by every item of that head (the driver

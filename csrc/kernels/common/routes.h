@@ -43,6 +43,7 @@ struct TileRoute {
     static int64_t shared_tile_floats(const Params& p, int which) {
         const bool staged = is_code_dtype(kv_dtype(p)) && !ReadsCodes<G>::value;
         if (which == 0) return G::packs_k(staged ? Loop::template staged_params<0>(p, nullptr) : p) ? G::k_floats(p.d) : 0;
+        if constexpr (HasVPanels<G>::value) return G::v_panel_floats(p.dv);  // (worth sharing whatever the input)
         return G::packs_v(staged ? Loop::template staged_params<1>(p, nullptr) : p) ? G::v_floats(p.dv) : 0;
     }
     static constexpr Route route(const char* name) {

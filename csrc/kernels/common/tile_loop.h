@@ -35,6 +35,12 @@ template <class G, class = void>
 struct ReadsCodes { static constexpr bool value = false; };
 template <class G>
 struct ReadsCodes<G, decltype(void(G::kReadsCodes))> { static constexpr bool value = G::kReadsCodes; };
+// Whether policy G packs V tiles for shared slots in a layout of their own (G::v_panels,
+// gemm_f32.h): then a slot of V holds G::v_panel_floats(Dv) floats.
+template <class G, class = void>
+struct HasVPanels : std::false_type {};
+template <class G>
+struct HasVPanels<G, std::void_t<decltype(&G::v_panels)>> : std::true_type {};
 
 template <class V, class Gm>
 struct TileLoop {
@@ -232,13 +238,16 @@ struct TileLoop {
     template <int kWhich>
     static KvTile tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, int64_t nk, int64_t head,
                        float* own, float* stage, SharedTiles* shared) {
-        auto fetch = [&](const Params& q, int64_t b, int64_t first, int64_t h, float* buf) {
+        // (slot: the tile goes to a shared slot, where V takes G's v_panels layout if it has one)
+        auto fetch = [&](const Params& q, int64_t b, int64_t first, int64_t h, float* buf, bool slot) {
+            if constexpr (kWhich == 1 && HasVPanels<G>::value)
+                if (slot) return G::v_panels(q, b, first, nc, h, buf);
             return kWhich == 0 ? G::k_tile(q, b, first, nc, h, buf) : G::v_tile(q, b, first, nc, h, buf);
         };
-        auto pack = [&](float* buf) {
-            if (!is_code_dtype(kv_dtype(p))) return fetch(p, it.b, c0, head, buf);
+        auto pack = [&](float* buf, bool slot) {
+            if (!is_code_dtype(kv_dtype(p))) return fetch(p, it.b, c0, head, buf, slot);
             if constexpr (ReadsCodes<G>::value) {
-                KvTile t = fetch(p, it.b, c0, head, buf);
+                KvTile t = fetch(p, it.b, c0, head, buf, slot);
                 if (const float* sc = scale_at<kWhich>(p, it, c0)) {
                     const ScaleStrides st = scale_strides<kWhich>(p);
                     t.scale = sc;
@@ -247,17 +256,17 @@ struct TileLoop {
                 }
                 return t;
             } else {
-                return fetch(dequantize_tile<kWhich>(p, it, c0, nc, stage), 0, 0, 0, buf);
+                return fetch(dequantize_tile<kWhich>(p, it, c0, nc, stage), 0, 0, 0, buf, slot);
             }
         };
         if (!shared || shared->floats[kWhich] == 0 || it.kv_heads != 1 || c0 % BC != 0 || nc != (nk - c0 < BC ? nk - c0 : BC))
-            return pack(own);
+            return pack(own, false);
         const int64_t index = (int64_t(it.b) * p.hk + it.kv_head) * shared->tiles_per_seq + c0 / BC;
         SharedSlot& slot = shared->slots[kWhich][index];
         int state = slot.state.load(std::memory_order_acquire);
         if (state == 2) return slot.tile;
         if (state == 0 && slot.state.compare_exchange_strong(state, 1, std::memory_order_acq_rel)) {
-            slot.tile = pack(shared->data[kWhich] + index * shared->floats[kWhich]);
+            slot.tile = pack(shared->data[kWhich] + index * shared->floats[kWhich], true);
             slot.state.store(2, std::memory_order_release);
             return slot.tile;
         }
@@ -266,7 +275,7 @@ struct TileLoop {
             if (slot.state.load(std::memory_order_acquire) == 2) return slot.tile;
             cpu_relax();
         }
-        return pack(own);
+        return pack(own, false);
     }
 
     // The scale array of K (kWhich = 0) or V of a quantized cache: its strides, and the scale of
