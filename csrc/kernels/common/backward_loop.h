@@ -107,25 +107,34 @@ struct F32Products {
 #endif
     static constexpr int kUpdateBlocks = RB >= FA2CPU_BWD_UPDATE_ROWS ? 1 : FA2CPU_BWD_UPDATE_ROWS / RB;
 
-    // kall [nkeys][ldq], vall [nkeys][ldo]: the item's K / V, float32 row-major
+    // kall [nkeys][lq], vall [nkeys][lo]: the item's K / V, float32 row-major
     // qT panels [D][RB]: Q transposed per row block (rows in lanes: S^T = K Q^T)
-    // qr [GR][ldq]: Q row-major, zero padded (dK += dS^T Q, features in lanes)
-    // doT panels [Dv][RB], dor [GR][ldo]: the same for dO (dP^T = V dO^T, dV += P^T dO)
+    // qr [GR][lq]: Q row-major, zero padded (dK += dS^T Q, features in lanes)
+    // doT panels [Dv][RB], dor [GR][lo]: the same for dO (dP^T = V dO^T, dV += P^T dO)
     struct Bufs {
         float *kall, *vall, *qT, *qr, *doT, *dor;
-        int64_t ldq, ldo;
+        int64_t ldq, ldo;  // D / Dv rounded up to W: dK / dV rows (the loop's dkall / dvall)
+        int64_t lq, lo;    // rows of kall / qr and vall / dor: ldq / ldo, odd_lines
     };
+    // Operand rows of a whole even number of 64-byte lines get one line more: rows 512 B apart
+    // (D = 128) fall into 8 of L1's 64 sets, so the 128 rows of dO / Q that dV / dK re-read per key
+    // chunk (and the K rows of dQ) could not stay in L1; with an odd number of lines consecutive
+    // rows take every set. Same bits; fp32 backward 1.03-1.04x (amx and avx2 families, 1 and 2
+    // threads, 2-core Xeon with AMX; bench/RESULTS.md, session 39).
+    static int64_t odd_lines(int64_t ld) { return ld % 16 == 0 && (ld / 16) % 2 == 0 ? ld + 16 : ld; }
     static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
         Bufs x;
         x.ldq = round_up(p.d, W);
         x.ldo = round_up(p.dv, W);
+        x.lq = odd_lines(x.ldq);
+        x.lo = odd_lines(x.ldo);
         Carver c{base};
-        x.kall = c.take(keys * x.ldq);
-        x.vall = c.take(keys * x.ldo);
+        x.kall = c.take(keys * x.lq);
+        x.vall = c.take(keys * x.lo);
         x.qT = c.take(p.d * kGroupRows);
-        x.qr = c.take(kGroupRows * x.ldq);
+        x.qr = c.take(kGroupRows * x.lq);
         x.doT = c.take(p.dv * kGroupRows);
-        x.dor = c.take(kGroupRows * x.ldo);
+        x.dor = c.take(kGroupRows * x.lo);
         *floats = c.used;
         return x;
     }
@@ -133,20 +142,20 @@ struct F32Products {
     static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
 
     static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
-        std::memcpy(x.kall + c * x.ldq, k, size_t(D) * 4);
-        std::memcpy(x.vall + c * x.ldo, v, size_t(Dv) * 4);
+        std::memcpy(x.kall + c * x.lq, k, size_t(D) * 4);
+        std::memcpy(x.vall + c * x.lo, v, size_t(Dv) * 4);
     }
     // Row r of the group (q, dO: float32, D / Dv features) into the row-major buffers; rows past
     // the real ones get zeros. finish_rows transposes them into the panels.
     static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
-        float* qd = x.qr + r * x.ldq;
-        float* od = x.dor + r * x.ldo;
+        float* qd = x.qr + r * x.lq;
+        float* od = x.dor + r * x.lo;
         for (int64_t d = 0; d < x.ldq; ++d) qd[d] = q && d < D ? q[d] : 0.f;
         for (int64_t j = 0; j < x.ldo; ++j) od[j] = dO && j < Dv ? dO[j] : 0.f;
     }
     static void finish_rows(Bufs& x, int64_t M, int64_t D, int64_t Dv) {
-        to_panels(x.qr, x.ldq, M, D, x.qT);
-        to_panels(x.dor, x.ldo, M, Dv, x.doT);
+        to_panels(x.qr, x.lq, M, D, x.qT);
+        to_panels(x.dor, x.lo, M, Dv, x.doT);
     }
     // rows [M][ld] -> panels (`panel`) of `features` features, by 16 x 16 blocks (transpose16)
     // where whole, element by element for the rest. (Written row by row, D lines per row, the
@@ -175,17 +184,17 @@ struct F32Products {
     // the same within noise on the AMX Xeon; the forward gained 1.5 % on the Zen 4 and lost 2-3 %
     // on the Xeon at 16 threads, so it keeps DC (bench/RESULTS.md, session 27).
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t D, int64_t Dv, float* s, float* dp) {
-        G::template qk_nv<kMaxHeadDim>(nv, x.qT + r0 * D, RB, x.kall + ck * x.ldq, x.ldq, D, n, s);
-        G::template qk_nv<kMaxHeadDim>(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.ldo, x.ldo, Dv, n, dp);
+        G::template qk_nv<kMaxHeadDim>(nv, x.qT + r0 * D, RB, x.kall + ck * x.lq, x.lq, D, n, s);
+        G::template qk_nv<kMaxHeadDim>(nv, x.doT + r0 * Dv, RB, x.vall + ck * x.lo, x.lo, Dv, n, dp);
     }
     // The updates of `rows` rows from r0 (row blocks of RB rows; the last has nv vectors), whose P
     // and dS lie in s / dp, one block per kSlot floats.
     static void updates(Bufs& x, int nv, int64_t r0, int64_t rows, int64_t ck, int64_t n, int64_t D, const float* s,
                         const float* dp, float* dkall, float* dvall, float* dqT) {
-        tn(n, rows, s, x.dor + r0 * x.ldo, x.ldo, x.ldo / W, dvall + ck * x.ldo, x.ldo);
-        tn(n, rows, dp, x.qr + r0 * x.ldq, x.ldq, x.ldq / W, dkall + ck * x.ldq, x.ldq);
+        tn(n, rows, s, x.dor + r0 * x.lo, x.lo, x.ldo / W, dvall + ck * x.ldo, x.ldo);
+        tn(n, rows, dp, x.qr + r0 * x.lq, x.lq, x.ldq / W, dkall + ck * x.ldq, x.ldq);
         for (int64_t b0 = 0; b0 < rows; b0 += RB)
-            G::pv_nv(b0 + RB < rows ? V::RV : nv, dp + b0 / RB * kSlot, n, x.kall + ck * x.ldq, x.ldq, D,
+            G::pv_nv(b0 + RB < rows ? V::RV : nv, dp + b0 / RB * kSlot, n, x.kall + ck * x.lq, x.lq, D,
                      dqT + (r0 + b0) * D, RB);
     }
     static constexpr int64_t kSlot = G::BC * RB;  // floats of one row block's P (or dS): [BC][RB]
