@@ -12,6 +12,9 @@
 //            packs_k / packs_v(p): whether whole tiles are packed (then they can be shared)
 //   products qk(ops, rows, k_tile, keys, s): S block of `rows`;  pv(ops, rows, s, keys, v_tile): O += P V
 //   O        o_elem(o, M, Dv, r, j), rescale_o(o, M, Dv, r, alpha) (TransposedO below for most)
+//   optional: v_panels(p, b, c0, nc, head, buf) -> KvTile and v_panel_floats(Dv): a V tile in a
+//            layout worth packing only for a shared slot (gemm_f32.h; the tile loop uses it for
+//            slots, the routes size V's slots by it; an item's own tiles still come from v_tile)
 //   optional, used when the item's padded rows M are a multiple of 16 (whole blocks of 16):
 //            pack_q_rows(q, M, r0, rows, D, scale, nreal): rows r0..r0+15 at once from
 //            rows[i * D + d] (i < nreal real, the rest padding), the values of pack_q_row /
