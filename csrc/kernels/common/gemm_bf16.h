@@ -6,7 +6,11 @@
 //   K   kt    [nc][ldk] bf16 rows; the pair at column 2t is broadcast as one uint32
 //                       (read in place for contiguous unpaged bf16 with even D, else packed)
 //   P   pbuf  [C2][RB]  pair (P[r][2c], P[r][2c+1]) of row r (C2 = ceil(nc/2); tile_loop.h's P block)
-//   V   vbuf  [C2][Dv]  pair (V[2c][j], V[2c+1][j]), always packed (two rows interleaved)
+//   V   vbuf  [ceil(Dv/ND)][C2max][ND]  pair (V[2c][j], V[2c+1][j]) at panel j / ND, row c,
+//                       column j % ND (C2max = ceil(BC/2)), always packed: two rows interleaved
+//                       into panels of the ND columns one PV micro-tile reads, so its steps walk
+//                       one contiguous run (rows of all Dv pairs put each step on a new line,
+//                       rows 512 B apart: bench/RESULTS.md session 39)
 //
 // Odd D / odd nc are padded with zero halves. Products are exact in float32 and accumulate in
 // float32; P is rounded to bf16 before P V, as FlashAttention-2 does, while the row sums l use
@@ -45,7 +49,7 @@ struct Bf16Gemm : TransposedO<V> {
 
     static int64_t q_floats(int64_t D, int64_t M) { return (D + 1) / 2 * M; }
     static int64_t k_floats(int64_t D) { return BC * ((D + 1) / 2); }
-    static int64_t v_floats(int64_t Dv) { return (BC + 1) / 2 * Dv; }
+    static int64_t v_floats(int64_t Dv) { return (BC + 1) / 2 * round_up(Dv, ND); }
 
     static uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
     // Row r of Q as bf16 pairs at q[t*M + r]: the row rounded to bf16 by V::store_row (vectorised,
@@ -90,10 +94,11 @@ struct Bf16Gemm : TransposedO<V> {
         const int64_t Dv = p.dv;
         const uint16_t* v = static_cast<const uint16_t*>(p.v);
         uint32_t* out = reinterpret_cast<uint32_t*>(buf);
+        const int64_t ldp = (BC + 1) / 2 * ND, chunks = (Dv + ND - 1) / ND;
+        alignas(64) uint32_t o[kMaxHeadDim + ND];
         for (int64_t c = 0; c < nc; c += 2) {
             const uint16_t* r0 = v + k_row_offset(p, b, c0 + c, p.v_batch_stride, p.v_row_stride) + head;
             const uint16_t* r1 = c + 1 < nc ? v + k_row_offset(p, b, c0 + c + 1, p.v_batch_stride, p.v_row_stride) + head : nullptr;
-            uint32_t* o = out + (c / 2) * Dv;
             int64_t j = 0;
             if (p.v_dim_stride == 1) {
                 for (; j + 16 <= Dv; j += 16) {
@@ -104,8 +109,10 @@ struct Bf16Gemm : TransposedO<V> {
                 }
             }
             for (; j < Dv; ++j) o[j] = pair(r0[j * p.v_dim_stride], r1 ? r1[j * p.v_dim_stride] : 0);
+            for (; j < chunks * ND; ++j) o[j] = 0;
+            for (int64_t k = 0; k < chunks; ++k) std::memcpy(out + k * ldp + (c / 2) * ND, o + k * ND, ND * sizeof(uint32_t));
         }
-        return {out, Dv, 0, 0};
+        return {out, ldp, 0, 0};
     }
 
     // s[j*RB + v*16 + lane] = post_scale * sum_t qpair[t][row] . kpair[j][t],  j < NKC
@@ -186,13 +193,15 @@ struct Bf16Gemm : TransposedO<V> {
             if (c < nc) qk_tail<NV>(int(nc - c), q, M, kt + c * ldk, ldk, D2, s + c * RB, post);
         }
     }
+    // vt: V's panels (v_tile), ldp apart
     template <int NV = RV>
-    static void pv_nv(int nv, const uint32_t* pb, int64_t nc2, const uint32_t* vt, int64_t Dv, float* oT, int64_t M) {
+    static void pv_nv(int nv, const uint32_t* pb, int64_t nc2, const uint32_t* vt, int64_t ldp, int64_t Dv, float* oT,
+                      int64_t M) {
         if constexpr (NV >= 1) {
-            if (nv != NV) return pv_nv<NV - 1>(nv, pb, nc2, vt, Dv, oT, M);
+            if (nv != NV) return pv_nv<NV - 1>(nv, pb, nc2, vt, ldp, Dv, oT, M);
             int64_t j = 0;
-            for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(pb, nc2, vt + j, Dv, oT + j * M, M);
-            if (j < Dv) pv_tail<NV>(int(Dv - j), pb, nc2, vt + j, Dv, oT + j * M, M);
+            for (; j + ND <= Dv; j += ND) pv_micro<NV, ND>(pb, nc2, vt + j / ND * ldp, ND, oT + j * M, M);
+            if (j < Dv) pv_tail<NV>(int(Dv - j), pb, nc2, vt + j / ND * ldp, ND, oT + j * M, M);
         }
     }
 
@@ -209,7 +218,7 @@ struct Bf16Gemm : TransposedO<V> {
     // O^T += P V from the pairs the softmax wrote (PStore::bf16_pairs).
     static void pv(const ItemOperands& x, const RowBlock& rows, float* s, int64_t keys, const KvTile& v) {
         pv_nv(rows.vectors, reinterpret_cast<const uint32_t*>(s), (keys + 1) / 2,
-              static_cast<const uint32_t*>(v.data), x.dv, x.o + rows.r0, x.M);
+              static_cast<const uint32_t*>(v.data), v.ld, x.dv, x.o + rows.r0, x.M);
     }
 };
 
