@@ -38,20 +38,28 @@ constexpr int64_t kTargetItems = FA2CPU_BWD_TARGET_ITEMS;
 constexpr int64_t kMaxSplits = 8;
 // An item streams its scratch (its packed K/V and dK/dV accumulators) once per row group, so
 // every busy core holds one item's scratch: long key ranges are split further until one item's
-// scratch is at most FA2CPU_BWD_CACHE_BUDGET_MB / (the machine's CPU count). The CPU count is the
-// machine's, never the call's thread count, so the plan (and every bit of the result) is the same
-// for any num_threads on a machine. Measured on the 16-core AMX Xeon (16 threads, B=1, D=128,
-// fp32): capping items at 3 MB ran H=32 N=4096 in 514 / 256 ms (full / causal) instead of 693 /
-// 357, H=16 N=2048 in 73 / 40 instead of 92 / 55; bf16 unchanged within noise. On 2 CPUs the cap
-// is 24 MB (items up to ~12K keys at D = 128 in fp32), which the benchmark shapes stay under:
-// splitting H=16 N=2048 at 3 MB on 2 cores of that machine ran 4 % faster (full) but 16 % slower
-// (causal). bench/RESULTS.md "C++ backward", "Backward item size".
+// scratch is at most a budget / (the machine's CPU count). The CPU count is the machine's, never
+// the call's thread count, so the plan (and every bit of the result) is the same for any
+// num_threads on a machine. Measured on the 16-core AMX Xeon (16 threads, B=1, D=128, fp32):
+// capping items at 3 MB ran H=32 N=4096 in 514 / 256 ms (full / causal) instead of 693 / 357,
+// H=16 N=2048 in 73 / 40 instead of 92 / 55; bf16 unchanged within noise. Float32 products (fp32
+// and fp16 inputs: four float32 rows per key) gained again at 2 MB (32 MB budget; in-process A/B,
+// same machine, 16 threads: 1.044x H=32 N=4096, 1.136x H=16 N=2048), where the AMX bf16 items
+// lost (0.934x H=32 N=4096 full, 0.981x H=16 N=2048; causal 1.085x), so bf16 keeps 48 MB. On 2
+// CPUs the caps are 16 / 24 MB (items up to ~7K / ~12K keys at D = 128), which the benchmark
+// shapes stay under: splitting H=16 N=2048 at 3 MB on 2 cores of that machine ran 4 % faster
+// (full) but 16 % slower (causal). bench/RESULTS.md "C++ backward", "Backward item size",
+// "Session 39".
 #ifndef FA2CPU_BWD_CACHE_BUDGET_MB
 #define FA2CPU_BWD_CACHE_BUDGET_MB 48
 #endif
-int64_t item_scratch_cap() {
+#ifndef FA2CPU_BWD_F32_BUDGET_MB
+#define FA2CPU_BWD_F32_BUDGET_MB 32
+#endif
+int64_t item_scratch_cap(const Params& p) {
     static const int64_t cpus = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
-    return (int64_t(FA2CPU_BWD_CACHE_BUDGET_MB) << 20) / cpus;
+    const int64_t mb = DType(p.dtype) == DType::bf16 ? FA2CPU_BWD_CACHE_BUDGET_MB : FA2CPU_BWD_F32_BUDGET_MB;
+    return (mb << 20) / cpus;
 }
 
 // A (sequence, kv head) whose dq is the sum of `count` split items' partials, in split order.
@@ -89,7 +97,7 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     Plan plan;
     const int64_t G = p.hq / p.hk, tile = K.kv_tile;
     const int64_t want = std::min(kMaxSplits, (kTargetItems + p.batch * p.hk - 1) / (p.batch * p.hk));
-    const int64_t cap = item_scratch_cap();
+    const int64_t cap = item_scratch_cap(p);
     std::vector<double> cost;
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
