@@ -94,10 +94,12 @@ def _np_opt(name, t):
 
 def _tensor(a):
     """Tensor sharing the memory of the NumPy array ``a`` (bfloat16 through int16)."""
-    name = a.dtype.name
-    if name == "bfloat16" and a.dtype == _ml_dtypes()[0]:
+    if a.dtype.kind != "V":  # NumPy's own dtypes (dtype.name alone costs ~1.7 us)
+        return torch.from_numpy(a)
+    bf16, f8 = _ml_dtypes()
+    if a.dtype == bf16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    if name == "float8_e4m3fn" and a.dtype == _ml_dtypes()[1]:
+    if a.dtype == f8:
         return torch.from_numpy(a.view(np.uint8)).view(torch.float8_e4m3fn)
     return torch.from_numpy(a)
 

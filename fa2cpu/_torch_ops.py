@@ -65,7 +65,8 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
         None if k_scale is None else _cache_view("k_scale", k_scale),
         None if v_scale is None else _cache_view("v_scale", v_scale))
     if k is not None:  # appended (every check passed): caches and, with them, their scales
-        torch._C._increment_version(tuple(t for t in (k_cache, v_cache, k_scale, v_scale) if t is not None))
+        torch._C._increment_version((k_cache, v_cache) if k_scale is None and v_scale is None else
+                                    tuple(t for t in (k_cache, v_cache, k_scale, v_scale) if t is not None))
     if out is None:
         out = _tensor(out_view)
     else:
