@@ -273,14 +273,16 @@ cdef class DecodeStep:
                  size_t k, int64_t kb, int64_t kh, int64_t kn, int64_t kd,
                  size_t v, int64_t vb, int64_t vh, int64_t vn, int64_t vd,
                  size_t out, int64_t batch, int64_t hq, int64_t nq, int64_t d, int64_t n_new,
-                 cnp.ndarray seqlens, double scale, double softcap, int64_t win_left, int64_t win_right):
+                 cnp.ndarray seqlens, double scale, double softcap, int64_t win_left, int64_t win_right,
+                 int num_threads=0):
         """Appends the new keys / values at each sequence's end and attends, GIL released.
         q (batch, hq, nq, d) and new k / v (batch, hk, n_new, d | dv): data addresses and element
         strides in that (batch, head, position, feature) order; out: a C-contiguous
         (batch, nq, hq, dv) buffer. ``seqlens``: int32, contiguous, the stored length of each
         sequence (at least ``batch`` entries); the first ``batch`` grow by n_new once the new
         tokens are stored (nothing is written when a check fails).
-        win_left / win_right as the kernels take them (-1 unbounded). Not thread-safe: one step
+        win_left / win_right as the kernels take them (-1 unbounded). num_threads: the kernels'
+        thread count as the NumPy API normalises it (0: OpenMP's current maximum). Not thread-safe: one step
         object serves one caller at a time (it owns the kernels' per-step lengths).
         Returns True; False (nothing written) when a quantized cache gets an inf / NaN key or value,
         which the caller's general path refuses with its own error."""
@@ -324,7 +326,7 @@ cdef class DecodeStep:
         # As kvcache_problem normalises them: bounds past every sequence are unbounded.
         p.window_left = -1 if win_left >= self.capacity else win_left
         p.window_right = -1 if win_right >= nq else win_right
-        p.num_threads = max(1, min(c.backend_max_threads(), c.max_useful_threads()))
+        p.num_threads = num_threads if num_threads > 0 else max(1, min(c.backend_max_threads(), c.max_useful_threads()))
         cdef int rc
         with nogil:
             # The append: rows of n_new new tokens per (sequence, kv head), into their cache slots.

@@ -198,13 +198,21 @@ def _cache_view(name, t):
         return entry[5]
     if t.numel() == 0:
         return _np(name, t)
-    item_size = t.element_size()
+    view = _borrowed_view(t)
+    entry[1:] = pointer, shape, stride, dtype, view
+    return view
+
+
+def _borrowed_view(t):
+    """NumPy view of a non-empty plain CPU tensor of a _TYPESTR dtype that does not keep the
+    tensor alive (built from its pointer, shape and strides): its holder must drop it with the
+    tensor (_cache_view, _torch_ops' decode steps: weakref callbacks)."""
+    dtype, item_size = t.dtype, t.element_size()
     memory = _Memory()
-    memory.__array_interface__ = {"data": (pointer, False), "shape": tuple(shape),
-                                  "strides": tuple(step * item_size for step in stride),
+    memory.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                  "strides": tuple(step * item_size for step in t.stride()),
                                   "typestr": _TYPESTR[dtype], "version": 3}
     view = np.asarray(memory)
     if dtype is torch.bfloat16 or dtype is torch.float8_e4m3fn:
         view = view.view(_ml_dtypes()[dtype is torch.float8_e4m3fn])
-    entry[1:] = pointer, shape, stride, dtype, view
     return view

@@ -1,11 +1,17 @@
 """fa2cpu's functions as PyTorch custom operators (``torch.library`` namespace ``fa2cpu``): their
 implementations on CPU tensors (also called directly by fa2cpu.torch in eager mode), fake
 implementations for ``torch.compile`` and autograd. See fa2cpu/torch.py for the list."""
+import math
+import threading
+import weakref
+
 import numpy as np
 import torch
 
+from . import _core
 from . import attention as _api
-from ._torch_bridge import _np, _np_opt, _result, _tensor, _cache_view
+from ._torch_bridge import _CODES, _borrowed_view, _np, _np_opt, _result, _tensor, _cache_view
+from ._validate import _LEAN_FLOAT_MAX
 from .backward import flash_attention_backward as _np_backward
 from .backward import flash_attention_varlen_backward as _np_varlen_backward
 
@@ -72,6 +78,75 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     else:
         torch._C._increment_version((out,))
     return out, (None if lse is None else torch.from_numpy(lse))
+
+
+# The eager decode call with new keys / values on tensors, as one prepared core call: a
+# _core.DecodeStep per contiguous (k_cache, v_cache) pair and Python thread, over views that
+# borrow the caches' memory (dropped with the tensors: weakref callbacks), so a step reads only
+# the tensors' pointers, shapes and strides. The NumPy route (views of q, k, v, the lean checks,
+# the append, the launch) costs 16.6 us (fp32) / 21.4 us (bf16) of Python per call on the 2-core
+# Xeon, this one ~7 us (bench/torch_overhead.py; bench/RESULTS.md, session 39). Same core call,
+# same bits (tests/test_torch.py); anything outside its case returns None for the general route.
+_STEPS = threading.local()
+_STEP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _decode_step(k_cache, v_cache):
+    """This thread's DecodeStep over the (k_cache, v_cache) pair (bshd, contiguous caches)."""
+    steps = getattr(_STEPS, "steps", None)
+    if steps is None:
+        steps = _STEPS.steps = {}
+    key = (id(k_cache), id(v_cache))
+    now = (k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape, v_cache.shape, k_cache.stride(), v_cache.stride())
+    entry = steps.get(key)
+    if entry is not None and entry[0]() is k_cache and entry[1]() is v_cache and entry[2] == now:
+        return entry[3]
+    forget = lambda _, key=key, steps=steps: steps.pop(key, None)  # noqa: E731
+    k4 = _borrowed_view(k_cache).transpose(0, 2, 1, 3)  # the core's (batch, head, position, feature)
+    v4 = _borrowed_view(v_cache).transpose(0, 2, 1, 3)
+    step = _core.DecodeStep(k4, v4, None, 0, _CODES[k_cache.dtype])
+    steps[key] = (weakref.ref(k_cache, forget), weakref.ref(v_cache, forget), now, step)
+    return step
+
+
+def _kvcache_step(q, k_cache, v_cache, k, v, length, causal, scale, softcap, num_threads):
+    """flash_attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=length, causal=causal)
+    on plain CPU tensors in bshd order with contiguous float caches of q's dtype, through the
+    layer's DecodeStep -> out; None (nothing written) for any call outside that case."""
+    T = torch.Tensor
+    if type(q) is not T or type(k_cache) is not T or type(v_cache) is not T or type(k) is not T or type(v) is not T:
+        return None
+    dtype = q.dtype
+    if dtype not in _STEP_DTYPES or k_cache.dtype is not dtype or v_cache.dtype is not dtype \
+            or k.dtype is not dtype or v.dtype is not dtype or not q.is_cpu or not k_cache.is_cpu \
+            or not v_cache.is_cpu or not k.is_cpu or not v.is_cpu \
+            or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    B, M, Hq, D = q.shape
+    Bc, capacity, Hk, Dk = k_cache.shape
+    n, Dv = k.shape[1], v.shape[3]
+    if B < 1 or M < 1 or n < 1 or Bc != B or Hk < 1 or Hq % Hk or Dk != D or not 0 < D <= 256 or not 0 < Dv <= 256 \
+            or v_cache.shape != (B, capacity, Hk, Dv) or k.shape != (B, n, Hk, D) or v.shape != (B, n, Hk, Dv) \
+            or length < 0 or length + n > capacity or k_cache.numel() == 0 or v_cache.numel() == 0:
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif type(scale) is not float or not abs(scale) <= _LEAN_FLOAT_MAX:
+        return None
+    if softcap is not None and not (type(softcap) is float and softcap == 0.0):
+        return None
+    if num_threads is not None and (type(num_threads) is not int or num_threads < 1):
+        return None
+    threads = max(1, min(_core.max_threads() if num_threads is None else num_threads, _core.max_useful_threads()))
+    step = _decode_step(k_cache, v_cache)
+    lengths = np.full(B, length, np.int32)
+    out = torch.empty((B, M, Hq, Dv), dtype=dtype)
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    step(q.data_ptr(), qs[0], qs[2], qs[1], qs[3], k.data_ptr(), ks[0], ks[2], ks[1], ks[3],
+         v.data_ptr(), vs[0], vs[2], vs[1], vs[3], out.data_ptr(), B, Hq, M, D, n, lengths, scale, 0.0,
+         -1, 0 if causal else -1, threads)
+    torch._C._increment_version((k_cache, v_cache))
+    return out
 
 
 def _lse_grad_pass(backward, dlse_rows, q, k, v, lse, **options):

@@ -38,7 +38,7 @@ import torch
 # _np, _tensor, _CACHE_VIEWS and _use_torch_threads are used by tests and bench/ as fa2cpu.torch._<name>.
 from ._torch_bridge import (_CACHE_VIEWS, _FLOATS, _check_tensors, _direct, _float_arg, _int_arg,  # noqa: F401
                             _no_grad_out, _np, _tensor, _use_torch_threads, _window_arg)
-from ._torch_ops import _fa_impl, _kvcache_impl, _varlen_impl  # importing it defines torch.ops.fa2cpu
+from ._torch_ops import _fa_impl, _kvcache_impl, _kvcache_step, _varlen_impl  # importing it defines torch.ops.fa2cpu
 from ._checks import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _int, _Options, _threads
 from ._torch_bridge import _CODES, _PLAIN
 from . import _core
@@ -226,6 +226,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     caches) go through the NumPy API's checks, append and launch. Returns ``out`` or
     ``(out, lse)`` with lse float32 ``(B, Hq, Nq)``.
     """
+    if (k is not None and type(cache_seqlens) is int and type(causal) is bool and layout == "bshd"
+            and block_table is None and out is None and not return_lse and alibi_slopes is None and sinks is None
+            and k_scale is None and v_scale is None and type(num_splits) is int and num_splits == 0 and type(window) is tuple
+            and window == (-1, -1) and _direct(q, k_cache, v_cache, differentiable=False)):
+        o = _kvcache_step(q, k_cache, v_cache, k, v, cache_seqlens, causal, scale, softcap, num_threads)
+        if o is not None:  # the decode step with an append, one prepared core call
+            return o
     if _direct(q, k_cache, v_cache, differentiable=False):
         o, lse = _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
                                softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks,

@@ -288,7 +288,47 @@ def test_kvcache_decode_loop_on_the_same_tensors(rng, dtype):
         same(got, want)
         same(kc, kc_np)
         same(vc, vc_np)
-    assert ft._CACHE_VIEWS[id(kc)][-1] is not None, "the lean path did not memoise the cache view"
+    # the appends ran as one prepared core call per cache pair (fa2cpu._torch_ops._kvcache_step)
+    assert (id(kc), id(vc)) in fa2cpu._torch_ops._STEPS.steps, "the decode step route was not taken"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kvcache_decode_step_route_is_the_general_call(rng, dtype, monkeypatch):
+    """The eager append call on tensors (one prepared DecodeStep) against the general route
+    (alibi_slopes of zeros forces it): the same output and cache bits, for GQA, several query
+    rows and new tokens, causal or not, a scale, a thread count; the route really ran; a call
+    outside its case (n = 0 new tokens, bhsd, a window) and errors take the general route."""
+    taken = []
+    step = fa2cpu._torch_ops._kvcache_step
+    monkeypatch.setattr(ft, "_kvcache_step", lambda *a: taken.append(step(*a)) or taken[-1])
+    for B, M, Hq, Hk, D, Dv, n, length, cap in ((1, 1, 8, 8, 64, 64, 1, 100, 256), (2, 4, 8, 2, 128, 96, 3, 37, 64),
+                                                (3, 1, 4, 1, 17, 5, 1, 0, 9), (1, 2, 2, 2, 8, 8, 2, 7, 9)):
+        for opts in (dict(), dict(causal=True), dict(causal=True, scale=0.3, num_threads=1)):
+            q = trand(rng, (B, M, Hq, D), dtype)
+            k, v = trand(rng, (B, n, Hk, D), dtype), trand(rng, (B, n, Hk, Dv), dtype)
+            kc, vc = trand(rng, (B, cap, Hk, D), dtype), trand(rng, (B, cap, Hk, Dv), dtype)
+            kc2, vc2 = kc.clone(), vc.clone()
+            got = ft.flash_attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=length, **opts)
+            assert taken[-1] is got
+            want = ft.flash_attention_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=length,
+                                                   alibi_slopes=torch.zeros(Hq), **opts)
+            same(got, want)
+            same(kc, kc2)
+            same(vc, vc2)
+    assert len(taken) == 12
+    kc, vc = trand(rng, (1, 8, 2, 16), dtype), trand(rng, (1, 8, 2, 16), dtype)
+    with pytest.raises(ValueError, match="capacity"):  # 8 + 1 > 8: the general route's error, nothing written
+        before = kc.clone()
+        ft.flash_attention_with_kvcache(trand(rng, (1, 1, 2, 16), dtype), kc, vc, trand(rng, (1, 1, 2, 16), dtype),
+                                        trand(rng, (1, 1, 2, 16), dtype), cache_seqlens=8)
+    same(kc, before)
+    assert taken[-1] is None
+    key = (id(kc), id(vc))
+    ft.flash_attention_with_kvcache(trand(rng, (1, 1, 2, 16), dtype), kc, vc, trand(rng, (1, 1, 2, 16), dtype),
+                                    trand(rng, (1, 1, 2, 16), dtype), cache_seqlens=3)
+    assert key in fa2cpu._torch_ops._STEPS.steps
+    del kc, vc
+    assert key not in fa2cpu._torch_ops._STEPS.steps, "the decode step outlived its cache tensors"
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
