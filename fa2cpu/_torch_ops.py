@@ -1,7 +1,6 @@
 """fa2cpu's functions as PyTorch custom operators (``torch.library`` namespace ``fa2cpu``): their
 implementations on CPU tensors (also called directly by fa2cpu.torch in eager mode), fake
 implementations for ``torch.compile`` and autograd. See fa2cpu/torch.py for the list."""
-import math
 import threading
 import weakref
 
@@ -11,7 +10,7 @@ import torch
 from . import _core
 from . import attention as _api
 from ._torch_bridge import _CODES, _borrowed_view, _np, _np_opt, _result, _tensor, _cache_view
-from ._validate import _LEAN_FLOAT_MAX
+from ._validate import _threads, lean_scale
 from .backward import flash_attention_backward as _np_backward
 from .backward import flash_attention_varlen_backward as _np_varlen_backward
 
@@ -129,15 +128,14 @@ def _kvcache_step(q, k_cache, v_cache, k, v, length, causal, scale, softcap, num
             or v_cache.shape != (B, capacity, Hk, Dv) or k.shape != (B, n, Hk, D) or v.shape != (B, n, Hk, Dv) \
             or length < 0 or length + n > capacity or k_cache.numel() == 0 or v_cache.numel() == 0:
         return None
+    scale = lean_scale(scale, D)
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif type(scale) is not float or not abs(scale) <= _LEAN_FLOAT_MAX:
         return None
     if softcap is not None and not (type(softcap) is float and softcap == 0.0):
         return None
     if num_threads is not None and (type(num_threads) is not int or num_threads < 1):
         return None
-    threads = max(1, min(_core.max_threads() if num_threads is None else num_threads, _core.max_useful_threads()))
+    threads = _threads(num_threads)  # (num_threads is None or an int >= 1 here)
     step = _decode_step(k_cache, v_cache)
     lengths = np.full(B, length, np.int32)
     out = torch.empty((B, M, Hq, Dv), dtype=dtype)

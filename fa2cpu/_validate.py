@@ -171,6 +171,14 @@ def _contiguous_writable(flags):  # one flags object (each .flags access builds 
     return flags.c_contiguous and flags.writeable and flags.aligned
 
 
+def lean_scale(scale, D):
+    """The score scale of a lean decode path: None -> 1/sqrt(D); a Python float within
+    +-_LEAN_FLOAT_MAX as is; None for anything else (NaN too), which the full checks then word."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    return scale if type(scale) is float and abs(scale) <= _LEAN_FLOAT_MAX else None
+
+
 def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window, softcap,
                          num_splits, num_threads, out, layout, k_scale=None, v_scale=None):
     """kvcache_problem for the common decode case, checked with cheap metadata tests (a decode step
@@ -223,9 +231,8 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     if (v_blocks, v_heads, v_rows) != (num_blocks, Hk, block_size) or B < 1 or Hk < 1 or block_size < 1 \
             or Hq % Hk or Dk != D or not 0 < D <= MAX_HEAD_DIM or not 0 < Dv <= MAX_HEAD_DIM:
         return None
+    scale = lean_scale(scale, D)
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif type(scale) is not float or not abs(scale) <= _LEAN_FLOAT_MAX:   # NaN fails too
         return None
     if softcap is None:
         softcap = 0.0

@@ -45,7 +45,8 @@ constexpr int64_t kMaxSplits = 8;
 // H=16 N=2048 in 73 / 40 instead of 92 / 55; bf16 unchanged within noise. Float32 products (fp32
 // and fp16 inputs: four float32 rows per key) gained again at 2 MB (32 MB budget; in-process A/B,
 // same machine, 16 threads: 1.044x H=32 N=4096, 1.136x H=16 N=2048), where the AMX bf16 items
-// lost (0.934x H=32 N=4096 full, 0.981x H=16 N=2048; causal 1.085x), so bf16 keeps 48 MB. On 2
+// lost (0.934x H=32 N=4096 full, 0.981x H=16 N=2048; causal 1.085x), so bf16 inputs keep 48 MB
+// (also on families that convert them to float32 products: not measured there). On 2
 // CPUs the caps are 16 / 24 MB (items up to ~7K / ~12K keys at D = 128), which the benchmark
 // shapes stay under: splitting H=16 N=2048 at 3 MB on 2 cores of that machine ran 4 % faster
 // (full) but 16 % slower (causal). bench/RESULTS.md "C++ backward", "Backward item size",
