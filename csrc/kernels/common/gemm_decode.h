@@ -272,8 +272,9 @@ struct DecodeGemm : DecodeOperands<E, 4> {
 // first vector holds columns 0-7 and 16-23, its second 8-15 and 24-31 (the order vpunpck*bw
 // leaves), put back in order when the tile's sums join O. P's int16 pairs overwrite s in place:
 // pair c/2 of row r at dword [c/2][r].
-// K / V lines are prefetched into L2 (_MM_HINT_T1): 64 keys ahead is 64 KB of codes for 8 kv
-// heads, more than L1 holds beside the score block (prefetcht0 measured 10-15 % slower).
+// K / V lines are prefetched into L2 (_MM_HINT_T1) 64 keys ahead: 64 KB of codes for 8 kv heads,
+// more than L1 holds beside the score block (prefetcht0 that far measured 10-15 % slower); and
+// into L1 (_MM_HINT_T0) one key block (KBLK keys) ahead (prefetch_line).
 //
 // C = F8Bf16Codes, a float8_e4m3fn cache read by bfloat16 queries on AVX512-BF16: both products
 // as bf16 pair dot products (vdpbf16ps), float32 sums. Every e4m3 value (subnormals included:
@@ -484,25 +485,34 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
             }
         }
     }
+    // The line of a K / V row at p prefetched into L2 kPrefetchKeys ahead (pf) and into L1 one key
+    // block ahead (pf0 = KBLK rows: the group's next block, ~16 KB of codes for 8 kv heads), as
+    // the avx2 route does. With the far prefetch alone every code line came from L2 on use; the
+    // near one made the int8 decode 1.05-1.07x faster (2-core Xeon with AMX, 1 and 2 threads;
+    // 8 / 32 keys ahead 1.01-1.03x, 24 1.02x; bench/RESULTS.md, session 40). The float caches'
+    // DecodeGemm gained nothing from it (bf16 1.00-1.01x) and keeps the far prefetch only.
+    static inline __attribute__((always_inline)) void prefetch_line(const Code* p, int64_t pf, int64_t pf0) {
+        _mm_prefetch(reinterpret_cast<const char*>(p + pf), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p + pf0), _MM_HINT_T0);
+    }
     template <bool kOneHead, bool kMasked>
     static inline __attribute__((always_inline)) void qk_chunk(__m512i (&acc)[KB][RG], const int16_t* qg, int64_t d,
                                                                int64_t D, const Code* const (&kr)[KB], const int64_t* off,
-                                                               int64_t pf, bool prefetch) {
+                                                               int64_t pf, int64_t pf0, bool prefetch) {
         __m512i qv[RG];
 #pragma GCC unroll 4
         for (int j = 0; j < RG; ++j) qv[j] = _mm512_loadu_si512(qg + d * RG + j * 32);
 #pragma GCC unroll 4
         for (int i = 0; i < KB; ++i) {
             if constexpr (kOneHead) {
-                if (prefetch && d % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[0] + d), _MM_HINT_T1);
+                if (prefetch && d % 64 == 0) prefetch_line(kr[i] + off[0] + d, pf, pf0);
                 const __m512i kv = C::widen(bytes32<kMasked>(kr[i] + off[0] + d, D - d));
 #pragma GCC unroll 4
                 for (int j = 0; j < RG; ++j) acc[i][j] = C::dot(acc[i][j], kv, qv[j]);
             } else {
 #pragma GCC unroll 4
                 for (int j = 0; j < RG; ++j) {
-                    if (d % 64 == 0 && (j == 0 || off[j] != off[j - 1]))
-                        _mm_prefetch(reinterpret_cast<const char*>(kr[i] + pf + off[j] + d), _MM_HINT_T1);
+                    if (d % 64 == 0 && (j == 0 || off[j] != off[j - 1])) prefetch_line(kr[i] + off[j] + d, pf, pf0);
                     const __m512i kv = C::widen(bytes32<kMasked>(kr[i] + off[j] + d, D - d));
                     acc[i][j] = C::dot(acc[i][j], kv, qv[j]);
                 }
@@ -512,6 +522,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
     template <bool kOneHead>
     static void qk_group(const int16_t* qg, int64_t D, const Code* k, int64_t ldk, const int64_t* off,
                          int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
+        const int64_t pf0 = KBLK * ldk;
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const Code* kr[KB];
@@ -523,8 +534,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 for (int j = 0; j < RG; ++j) acc[i][j] = _mm512_setzero_si512();
             // 32 features at a time: whole chunks with plain loads, the tail (D % 32) masked
             int64_t d = 0;
-            for (; d + 32 <= D; d += 32) qk_chunk<kOneHead, false>(acc, qg, d, D, kr, off, pf, prefetch);
-            if (d < D) qk_chunk<kOneHead, true>(acc, qg, d, D, kr, off, pf, prefetch);
+            for (; d + 32 <= D; d += 32) qk_chunk<kOneHead, false>(acc, qg, d, D, kr, off, pf, pf0, prefetch);
+            if (d < D) qk_chunk<kOneHead, true>(acc, qg, d, D, kr, off, pf, pf0, prefetch);
             __m512 v[KB * RG];
             for (int i = 0; i < KB; ++i)
                 for (int j = 0; j < RG; ++j) v[i * RG + j] = _mm512_castsi512_ps(acc[i][j]);
@@ -589,6 +600,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
     static void pv_block(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
                          int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, bool prefetch) {
         constexpr int T = 2 * NH;
+        const int64_t pf0 = KBLK * ldv;
         __m512i a[RG][T], x[T];
 #pragma GCC unroll 4
         for (int i = 0; i < RG; ++i)
@@ -602,8 +614,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
             for (int i = 0; i < RG; ++i) {
                 if (kOneHead ? i == 0 : (i == 0 || off[i] != off[i - 1])) {
                     if (prefetch || !kOneHead) {
-                        _mm_prefetch(reinterpret_cast<const char*>(v0 + pf + off[i]), _MM_HINT_T1);
-                        _mm_prefetch(reinterpret_cast<const char*>(v1 + pf + off[i]), _MM_HINT_T1);
+                        prefetch_line(v0 + off[i], pf, pf0);
+                        prefetch_line(v1 + off[i], pf, pf0);
                     }
                     pair_codes<NH, kMasked>(v0 + off[i], v1 + off[i], n - j, x);
                 }
