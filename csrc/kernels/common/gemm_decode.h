@@ -267,7 +267,8 @@ struct DecodeGemm : DecodeOperands<E, 4> {
 // 2^-16 of its tile's max weight; beside bf16 / fp16 outputs (2^-9 / 2^-11 relative) that is
 // noise, so float32 queries keep the float32 route (tests/conftest.py's tolerance table). A non-finite q row or weight makes its row NaN.
 // Layouts: Q int16 [M/RG][d32(D)/32][RG][32] (zero padded; a group's rows side by side per 32
-// features: one pointer serves the QK loop), then float32 row scales [M]; O float32 [M][dp(Dv)]
+// features: one pointer serves the QK loop), then a rotated copy of the same size (store_rotated:
+// the one-head groups' QK), then float32 row scales [M]; O float32 [M][dp(Dv)]
 // (DecodeGemm's), then the tile's int32 PV sums [M][d32(Dv)] in pair order: a 32-column group's
 // first vector holds columns 0-7 and 16-23, its second 8-15 and 24-31 (the order vpunpck*bw
 // leaves), put back in order when the tile's sums join O. P's int16 pairs overwrite s in place:
@@ -366,12 +367,30 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
     // Lanes of x that are inf or NaN (a q row or weight with one makes its row NaN).
     static __mmask16 nonfinite(__m512 x) { return _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(FLT_MAX), _CMP_NLE_UQ); }
     static int64_t d32(int64_t n) { return round_up(n, 32); }
-    static int64_t q_floats(int64_t D, int64_t M) { return M * d32(D) / 2 + M; }
-    // Row r's first 32 features (its group's block, then r % RG rows in).
+    static int64_t q_floats(int64_t D, int64_t M) { return M * d32(D) + M; }
+    // Row r's first 32 features (its group's block, then r % RG rows in); rotated: the same
+    // block of the rotated copy (qk_group's one-head form), M * d32(D) int16 further on.
     template <class F>
     static auto q16(F* q, int64_t D, int64_t r) {
         using I = std::conditional_t<std::is_const<F>::value, const int16_t, int16_t>;
         return reinterpret_cast<I*>(q) + (r / RG) * RG * d32(D) + (r % RG) * 32;
+    }
+    template <class F>
+    static auto q16_rotated(F* q, int64_t M, int64_t D, int64_t r) { return q16(q, D, r) + M * d32(D); }
+    static float* row_scales(float* q, int64_t M, int64_t D) { return q + M * d32(D); }
+    static const float* row_scales(const float* q, int64_t M, int64_t D) { return q + M * d32(D); }
+    // The rotated copy of row r (j = r % RG) of its group: per 32 features, rotation k's vector
+    // holds in 128-bit block b (features 8b .. 8b+7) the row (b + k) % RG, so row j's block b
+    // goes to rotation (j - b) % RG. A K vector times the four rotations gives every row's
+    // products, each in a different block; sums_rotated gathers them (RG = 4 blocks).
+    static void store_rotated(float* q, int64_t M, int64_t r, int64_t D) {
+        static_assert(RG == 4, "one row per 128-bit block");
+        const int16_t* src = q16(q, D, r);
+        int16_t* dst = q16_rotated(q, M, D, r - r % RG);
+        const int j = int(r % RG);
+        for (int64_t c = 0; c < d32(D) / 32; ++c)
+            for (int b = 0; b < RG; ++b)
+                std::memcpy(dst + (c * RG + ((j - b) & (RG - 1))) * 32 + 8 * b, src + c * RG * 32 + 8 * b, 8 * sizeof(int16_t));
     }
     static int64_t o_floats(int64_t Dv, int64_t M) { return M * dp(Dv) + M * d32(Dv); }
 
@@ -388,7 +407,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 finite &= nonfinite(x) == 0;
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (d / 32) * RG * 32 + d % 32), C::to_bf16(x));
             }
-            q[M * d32(D) / 2 + r] = finite ? qscale : NAN;
+            row_scales(q, M, D)[r] = finite ? qscale : NAN;
+            store_rotated(q, M, r, D);
             return;
         }
         __m512 amax = _mm512_setzero_ps();
@@ -408,11 +428,13 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (d / 32) * RG * 32 + d % 32),
                                 _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_scalef_ps(x, shift))));
         }
-        q[M * d32(D) / 2 + r] = finite ? float(std::ldexp(double(qscale), e - 15)) : NAN;
+        row_scales(q, M, D)[r] = finite ? float(std::ldexp(double(qscale), e - 15)) : NAN;
+        store_rotated(q, M, r, D);
     }
     static void zero_q_row(float* q, int64_t M, int64_t r, int64_t D) {
         for (int64_t d = 0; d < d32(D); d += 32) std::memset(q16(q, D, r) + (d / 32) * RG * 32, 0, 32 * sizeof(int16_t));
-        q[M * d32(D) / 2 + r] = 0.f;
+        row_scales(q, M, D)[r] = 0.f;
+        store_rotated(q, M, r, D);
     }
 
     // The scales of key c of a K/V tile for 16 row lanes whose kv heads (relative to the item's
@@ -464,6 +486,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
         const Code* k = static_cast<const Code*>(kt.data);
         const int64_t D = x.d, Dq = d32(D), ldk = kt.ld, rows = block.rows;
         const int16_t* q = q16(x.q, D, block.r0);
+        const int16_t* qr = q16_rotated(x.q, x.M, D, block.r0);
         const int32_t* kv_head = block.kv_head;
         for (int64_t cb = 0; cb < nc; cb += KBLK) {
             const int64_t ce = cb + KBLK < nc ? cb + KBLK : nc;
@@ -471,11 +494,11 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 int64_t off[RG];
                 head_offsets(kv_head, r, kt, off);
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
+                if (off[0] == off[RG - 1]) qk_group<true>(qr + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
                 else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
             }
         }
-        const float* qs = x.q + x.M * Dq / 2 + block.r0;
+        const float* qs = row_scales(x.q, x.M, D) + block.r0;
         for (int v = 0; v < block.vectors; ++v) {
             const LaneScales ks(kt, kv_head + v * W);
             const __m512 rs = _mm512_loadu_ps(qs + v * W);
@@ -484,6 +507,27 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 _mm512_storeu_ps(sp, _mm512_mul_ps(_mm512_loadu_ps(sp), _mm512_mul_ps(rs, ks.at(c))));
             }
         }
+    }
+    // One-head groups (rotated q, store_rotated): v[i*RG + k] holds key i's products with
+    // rotation k, row (b + k) % RG in block b. Each key's rotations are turned so that block r
+    // holds row r and added (3 block shuffles + 3 adds), then the four keys' block sums reduced
+    // within blocks (9 operations) and reordered to lane i*RG + r as sums16 leaves them: 34
+    // operations for 16 scores where sums16 takes 45, 30 of them shuffles on one port on Intel
+    // cores. The same int32 sums (float32 for F8Bf16Codes, added in another order).
+    static __m512 sums_rotated(const __m512* v) {
+        __m512 u[KB];
+        for (int i = 0; i < KB; ++i) {
+            const __m512* a = v + i * RG;  // block r of the turned rotation k = its block (r - k) % 4
+            u[i] = C::add(C::add(a[0], _mm512_shuffle_f32x4(a[1], a[1], _MM_SHUFFLE(2, 1, 0, 3))),
+                          C::add(_mm512_shuffle_f32x4(a[2], a[2], _MM_SHUFFLE(1, 0, 3, 2)),
+                                 _mm512_shuffle_f32x4(a[3], a[3], _MM_SHUFFLE(0, 3, 2, 1))));
+        }
+        // per block: [u0 0+2, u1 0+2, u0 1+3, u1 1+3], then [u0, u1, u2, u3] sums: lane 4r + i
+        const __m512 a = C::add(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+        const __m512 b = C::add(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
+        const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+        const __m512 t = C::add(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
     }
     // The line of a K / V row at p prefetched into L2 kPrefetchKeys ahead (pf) and into L1 one key
     // block ahead (pf0 = KBLK rows: the group's next block, ~16 KB of codes for 8 kv heads), as
@@ -539,7 +583,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
             __m512 v[KB * RG];
             for (int i = 0; i < KB; ++i)
                 for (int j = 0; j < RG; ++j) v[i * RG + j] = _mm512_castsi512_ps(acc[i][j]);
-            const __m512 total = C::to_float(sums16(v, C::add));
+            const __m512 total = C::to_float(kOneHead ? sums_rotated(v) : sums16(v, C::add));
             store_scores(total, c, nkb, s);
         }
     }
