@@ -8,9 +8,9 @@
 //   product            C (i x j)            A (i rows, reduction along)    B (pairs x j)
 //   S^T  = K Q^T       s [keys][RB]         kr  [keys][ldq]  K rows        qp   [ldq/2][GR] Q pairs
 //   dP^T = V dO^T      dp [keys][RB]        vr  [keys][ldo]  V rows        dop  [ldo/2][GR] dO pairs
-//   dV  += P^T dO      dvall [keys][ldo]    pT  [BC][RB]     P^T (bf16)    dorp [GR/2][ldo] dO row pairs
-//   dK  += dS^T Q      dkall [keys][ldq]    dsT [BC][RB]     dS^T (bf16)   qrp  [GR/2][ldq] Q row pairs
-//   dQ^T += K^T dS^T   dqT [ldq][RB]        kT  [ldq][ldkt]  K^T           dsp  [BC/2][RB]  dS key pairs
+//   dV  += P^T dO      dvall [keys][ldo]    pT  [BC][GR]     P^T (bf16)    dorp [GR/2][ldo] dO row pairs
+//   dK  += dS^T Q      dkall [keys][ldq]    dsT [BC][GR]     dS^T (bf16)   qrp  [GR/2][ldq] Q row pairs
+//   dQ^T += K^T dS^T   dqT [ldq][RB]        kT  [ldq][ldkt]  K^T           dsp  [BC/2][GR]  dS key pairs
 //
 // Padding (BackwardLoop gives it: kRowAlign, kFeatureAlign, kKeyPad, dq_features): rows of a group
 // to 32 (zero Q / dO rows, P = dS = 0), D and Dv to 32 (ldq, ldo; zero features), the keys of a
@@ -88,9 +88,24 @@ struct AmxProducts {
     // 174 and 144 for 96).
     static constexpr int RB = FA2CPU_AMX_BWD_RB;
     static constexpr int64_t BC = V512::BC;
-    static constexpr int64_t kGroupRows = V512::MAX_ROWS;
+    // Rows per group (FA2CPU_AMX_BWD_GROUP_ROWS overrides it for experiments): 384 with 2 or 4
+    // blocks per update measured 0.95-1.03x against 192 (bench/RESULTS.md, session 41).
+#ifndef FA2CPU_AMX_BWD_GROUP_ROWS
+#define FA2CPU_AMX_BWD_GROUP_ROWS 192
+#endif
+    static constexpr int64_t kGroupRows = FA2CPU_AMX_BWD_GROUP_ROWS, GR = kGroupRows;
     static constexpr int64_t kRowAlign = 32, kFeatureAlign = 32, kKeyPad = 32;
-    static constexpr int kUpdateBlocks = 1;  // one row block per update (backward_loop.h F32Products)
+    // Row blocks per dV / dK update (backward_loop.h F32Products): their C tiles (dvall / dkall,
+    // 64 KB each for a 128-key tile at D = 128, from L2) are loaded and stored once per update,
+    // beside 3 tdpbf16ps steps per 96 rows. Two blocks (the whole group) halve that traffic:
+    // 1.02-1.04x on the 2-core Xeon with AMX, full and causal, same bits (session 41). P^T, dS^T
+    // and the dS pairs hold the group's rows side by side (row r of the group in column r), so a
+    // run of blocks is one operand.
+#ifndef FA2CPU_AMX_BWD_UPDATE_BLOCKS
+#define FA2CPU_AMX_BWD_UPDATE_BLOCKS 2
+#endif
+    static constexpr int kUpdateBlocks = FA2CPU_AMX_BWD_UPDATE_BLOCKS;
+    static_assert(kUpdateBlocks * RB <= kGroupRows, "a run lies within its group");
     static int64_t dq_features(int64_t D) { return round_up(D, 32); }
     static_assert(RB % 32 == 0 && kGroupRows % RB == 0 && BC % 32 == 0, "whole 2 x 2 tile blocks");
 
@@ -98,12 +113,13 @@ struct AmxProducts {
         uint16_t *kr, *vr, *kT, *ktail, *pT, *dsT, *qs, *dos;
         uint32_t *qp, *dop, *qrp, *dorp, *dsp;
         int64_t keys, ldq, ldo, ldkt;  // ldq / ldo: D / Dv rounded up to 32 (dkall / dvall too)
+        int64_t r0;                    // the row block scores() took last, whose P / dS follow
     };
     // kr [keys + 32][ldq], vr [keys + 32][ldo]: K / V rows, bf16, zero padded (A of S, dP)
     // kT [ldq][ldkt]: K^T, zero past D and past the keys (A of dQ^T); ktail [ldq][32]: see above
     // qp [ldq/2][GR], dop [ldo/2][GR]: Q / dO pairs along features (B of S, dP)
     // qrp [GR/2][ldq], dorp [GR/2][ldo]: Q / dO pairs of rows (B of dK, dV)
-    // pT, dsT [BC][RB] bf16: P^T, dS^T of the row block (A of dV, dK); dsp [BC/2][RB]: dS key pairs
+    // pT, dsT [BC][GR] bf16: P^T, dS^T of the group's rows (A of dV, dK); dsp [BC/2][GR]: dS key pairs
     // qs [GR][ldq], dos [GR][ldo]: the group's Q / dO rows in bf16 (pack_row), which finish_rows
     //   turns into the four pair layouts by 16 x 16 transposes and row-pair interleaves
     static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
@@ -119,13 +135,13 @@ struct AmxProducts {
         x.vr = halves((keys + kKeyPad) * x.ldo);
         x.kT = halves(x.ldq * x.ldkt);
         x.ktail = halves(x.ldq * 32);
-        x.pT = halves(BC * RB);
-        x.dsT = halves(BC * RB);
+        x.pT = halves(BC * GR);
+        x.dsT = halves(BC * GR);
         x.qp = pairs(x.ldq / 2 * kGroupRows);
         x.dop = pairs(x.ldo / 2 * kGroupRows);
         x.qrp = pairs(kGroupRows / 2 * x.ldq);
         x.dorp = pairs(kGroupRows / 2 * x.ldo);
-        x.dsp = pairs(BC / 2 * RB);
+        x.dsp = pairs(BC / 2 * GR);
         x.qs = halves(kGroupRows * x.ldq);
         x.dos = halves(kGroupRows * x.ldo);
         *floats = c.used;
@@ -189,28 +205,31 @@ struct AmxProducts {
 
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t, int64_t, float* s, float* dp) {
         const int64_t np = round_up(n, 32), rows = nv * W;
+        x.r0 = r0;
         tile_gemm<false>(x.kr + ck * x.ldq, x.ldq, nullptr, 0, x.qp + r0, kGroupRows, x.ldq / 2, np, rows, s, RB);
         tile_gemm<false>(x.vr + ck * x.ldo, x.ldo, nullptr, 0, x.dop + r0, kGroupRows, x.ldo / 2, np, rows, dp, RB);
     }
     // P^T, dS^T and the dS pairs straight from the softmax gradient (gemm_bf16.h); nothing in float32.
     static void store_gradient_pair(Bufs& x, int64_t c, int v, bool both, __m512 pr0, __m512 ds0, __m512 pr1, __m512 ds1) {
-        store_gradient_pair_bf16<RB>(x.pT, x.dsT, x.dsp, c, v, both, pr0, ds0, pr1, ds1);
+        store_gradient_pair_bf16<GR>(x.pT + x.r0, x.dsT + x.r0, x.dsp + x.r0, c, v, both, pr0, ds0, pr1, ds1);
     }
-    static void updates(Bufs& x, int nv, int64_t r0, int64_t, int64_t ck, int64_t n, int64_t, const float*,
+    // The run's rows [r0, r0 + real) (whole blocks of RB but the group's last, all of one key
+    // range; rows to kRowAlign are padding, P = dS = 0): dV and dK reduce over all of them at
+    // once, dQ^T block by block (its panels).
+    static void updates(Bufs& x, int, int64_t r0, int64_t real, int64_t ck, int64_t n, int64_t, const float*,
                         const float*, float* dkall, float* dvall, float* dqT) {
-        const int64_t np = round_up(n, 32), rows = nv * W;
+        const int64_t np = round_up(n, 32), rows = round_up(real, kRowAlign);
         // P^T, dS^T (store_gradient_pair) zero past n, the dS pairs past ceil(n / 2).
         for (int64_t c = n; c < np; ++c)
-            for (int v = 0; v < nv; ++v) {
-                const int64_t at = c * RB + v * W;
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), _mm256_setzero_si256());
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), _mm256_setzero_si256());
+            for (int64_t r = r0; r < r0 + rows; r += W) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + c * GR + r), _mm256_setzero_si256());
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + c * GR + r), _mm256_setzero_si256());
             }
         for (int64_t c2 = (n + 1) / 2; c2 < np / 2; ++c2)
-            for (int v = 0; v < nv; ++v) _mm512_storeu_si512(x.dsp + c2 * RB + v * W, _mm512_setzero_si512());
+            for (int64_t r = r0; r < r0 + rows; r += W) _mm512_storeu_si512(x.dsp + c2 * GR + r, _mm512_setzero_si512());
         const int64_t pr0 = r0 / 2;
-        tile_gemm<true>(x.pT, RB, nullptr, 0, x.dorp + pr0 * x.ldo, x.ldo, rows / 2, np, x.ldo, dvall + ck * x.ldo, x.ldo);
-        tile_gemm<true>(x.dsT, RB, nullptr, 0, x.qrp + pr0 * x.ldq, x.ldq, rows / 2, np, x.ldq, dkall + ck * x.ldq, x.ldq);
+        tile_gemm<true>(x.pT + r0, GR, nullptr, 0, x.dorp + pr0 * x.ldo, x.ldo, rows / 2, np, x.ldo, dvall + ck * x.ldo, x.ldo);
+        tile_gemm<true>(x.dsT + r0, GR, nullptr, 0, x.qrp + pr0 * x.ldq, x.ldq, rows / 2, np, x.ldq, dkall + ck * x.ldq, x.ldq);
         // dQ^T: the last step's K^T columns from a zero-padded copy when n is not whole steps.
         const uint16_t* tail = nullptr;
         if (n % 32) {
@@ -221,7 +240,10 @@ struct AmxProducts {
             }
             tail = x.ktail;
         }
-        tile_gemm<true>(x.kT + ck, x.ldkt, tail, 32, x.dsp, RB, np / 2, x.ldq, rows, dqT + r0 * x.ldq, RB);
+        for (int64_t b = r0; b < r0 + rows; b += RB) {
+            const int64_t m = r0 + rows - b < RB ? r0 + rows - b : RB;
+            tile_gemm<true>(x.kT + ck, x.ldkt, tail, 32, x.dsp + b, GR, np / 2, x.ldq, m, dqT + b * x.ldq, RB);
+        }
     }
 };
 
