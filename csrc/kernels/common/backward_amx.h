@@ -93,7 +93,7 @@ struct AmxProducts {
 #ifndef FA2CPU_AMX_BWD_GROUP_ROWS
 #define FA2CPU_AMX_BWD_GROUP_ROWS 192
 #endif
-    static constexpr int64_t kGroupRows = FA2CPU_AMX_BWD_GROUP_ROWS, GR = kGroupRows;
+    static constexpr int64_t kGroupRows = FA2CPU_AMX_BWD_GROUP_ROWS;
     static constexpr int64_t kRowAlign = 32, kFeatureAlign = 32, kKeyPad = 32;
     // Row blocks per dV / dK update (backward_loop.h F32Products): their C tiles (dvall / dkall,
     // 64 KB each for a 128-key tile at D = 128, from L2) are loaded and stored once per update,
@@ -135,13 +135,13 @@ struct AmxProducts {
         x.vr = halves((keys + kKeyPad) * x.ldo);
         x.kT = halves(x.ldq * x.ldkt);
         x.ktail = halves(x.ldq * 32);
-        x.pT = halves(BC * GR);
-        x.dsT = halves(BC * GR);
+        x.pT = halves(BC * kGroupRows);
+        x.dsT = halves(BC * kGroupRows);
         x.qp = pairs(x.ldq / 2 * kGroupRows);
         x.dop = pairs(x.ldo / 2 * kGroupRows);
         x.qrp = pairs(kGroupRows / 2 * x.ldq);
         x.dorp = pairs(kGroupRows / 2 * x.ldo);
-        x.dsp = pairs(BC / 2 * GR);
+        x.dsp = pairs(BC / 2 * kGroupRows);
         x.qs = halves(kGroupRows * x.ldq);
         x.dos = halves(kGroupRows * x.ldo);
         *floats = c.used;
@@ -211,7 +211,7 @@ struct AmxProducts {
     }
     // P^T, dS^T and the dS pairs straight from the softmax gradient (gemm_bf16.h); nothing in float32.
     static void store_gradient_pair(Bufs& x, int64_t c, int v, bool both, __m512 pr0, __m512 ds0, __m512 pr1, __m512 ds1) {
-        store_gradient_pair_bf16<GR>(x.pT + x.r0, x.dsT + x.r0, x.dsp + x.r0, c, v, both, pr0, ds0, pr1, ds1);
+        store_gradient_pair_bf16<kGroupRows>(x.pT + x.r0, x.dsT + x.r0, x.dsp + x.r0, c, v, both, pr0, ds0, pr1, ds1);
     }
     // The run's rows [r0, r0 + real) (whole blocks of RB but the group's last, all of one key
     // range; rows to kRowAlign are padding, P = dS = 0): dV and dK reduce over all of them at
@@ -222,14 +222,14 @@ struct AmxProducts {
         // P^T, dS^T (store_gradient_pair) zero past n, the dS pairs past ceil(n / 2).
         for (int64_t c = n; c < np; ++c)
             for (int64_t r = r0; r < r0 + rows; r += W) {
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + c * GR + r), _mm256_setzero_si256());
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + c * GR + r), _mm256_setzero_si256());
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + c * kGroupRows + r), _mm256_setzero_si256());
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + c * kGroupRows + r), _mm256_setzero_si256());
             }
         for (int64_t c2 = (n + 1) / 2; c2 < np / 2; ++c2)
-            for (int64_t r = r0; r < r0 + rows; r += W) _mm512_storeu_si512(x.dsp + c2 * GR + r, _mm512_setzero_si512());
+            for (int64_t r = r0; r < r0 + rows; r += W) _mm512_storeu_si512(x.dsp + c2 * kGroupRows + r, _mm512_setzero_si512());
         const int64_t pr0 = r0 / 2;
-        tile_gemm<true>(x.pT + r0, GR, nullptr, 0, x.dorp + pr0 * x.ldo, x.ldo, rows / 2, np, x.ldo, dvall + ck * x.ldo, x.ldo);
-        tile_gemm<true>(x.dsT + r0, GR, nullptr, 0, x.qrp + pr0 * x.ldq, x.ldq, rows / 2, np, x.ldq, dkall + ck * x.ldq, x.ldq);
+        tile_gemm<true>(x.pT + r0, kGroupRows, nullptr, 0, x.dorp + pr0 * x.ldo, x.ldo, rows / 2, np, x.ldo, dvall + ck * x.ldo, x.ldo);
+        tile_gemm<true>(x.dsT + r0, kGroupRows, nullptr, 0, x.qrp + pr0 * x.ldq, x.ldq, rows / 2, np, x.ldq, dkall + ck * x.ldq, x.ldq);
         // dQ^T: the last step's K^T columns from a zero-padded copy when n is not whole steps.
         const uint16_t* tail = nullptr;
         if (n % 32) {
@@ -242,7 +242,7 @@ struct AmxProducts {
         }
         for (int64_t b = r0; b < r0 + rows; b += RB) {
             const int64_t m = r0 + rows - b < RB ? r0 + rows - b : RB;
-            tile_gemm<true>(x.kT + ck, x.ldkt, tail, 32, x.dsp + b, GR, np / 2, x.ldq, m, dqT + b * x.ldq, RB);
+            tile_gemm<true>(x.kT + ck, x.ldkt, tail, 32, x.dsp + b, kGroupRows, np / 2, x.ldq, m, dqT + b * x.ldq, RB);
         }
     }
 };
