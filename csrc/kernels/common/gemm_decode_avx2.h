@@ -192,6 +192,32 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
     static inline __attribute__((always_inline)) void qk_chunk16(__m256 (&acc)[KB][RG], const float* qr, int64_t Dp,
                                                                  int64_t d, const T* const (&kr)[KB], const int64_t* off,
                                                                  int64_t pf, bool prefetch) {
+        if constexpr (E::kSplit16 && kOneHead) {
+            // One 256-bit load per key, then each half against q of the group's rows held in
+            // registers for both keys (8 accumulators + 2 raw rows + 4 q + 1: 15 registers): half
+            // the q loads of the form below, which on Zen 1 (two 128-bit loads a cycle) bounded it.
+            __m256i raw[KB];
+#pragma GCC unroll 2
+            for (int i = 0; i < KB; ++i) {
+                const T* at = kr[i] + off[0] + d;
+                if (prefetch && (d * int64_t(sizeof(T))) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(at + pf), _MM_HINT_T1);
+                raw[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
+            }
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+                __m256 qv[RG];
+#pragma GCC unroll 4
+                for (int j = 0; j < RG; ++j) qv[j] = _mm256_loadu_ps(qr + j * Dp + d + 8 * h);
+#pragma GCC unroll 2
+                for (int i = 0; i < KB; ++i) {
+                    const __m256 kv = _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(raw[i], 16)
+                                                                 : _mm256_and_si256(raw[i], _mm256_set1_epi32(int32_t(0xffff0000u))));
+#pragma GCC unroll 4
+                    for (int j = 0; j < RG; ++j) acc[i][j] = _mm256_fmadd_ps(kv, qv[j], acc[i][j]);
+                }
+            }
+            return;
+        }
 #pragma GCC unroll 2
         for (int i = 0; i < KB; ++i) {
 #pragma GCC unroll 4
