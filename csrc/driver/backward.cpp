@@ -23,19 +23,29 @@
 namespace fa2cpu {
 namespace {
 
-// Key-axis splits: a call aims at kTargetItems items, splitting each (sequence, kv head) into at
-// most kMaxSplits key ranges of whole tiles (both shape-only; with the cap below the plan
-// depends on shapes and the machine, never on the thread count: determinism). A split
-// costs every row it sees packed once more, one float32 copy of its rows' dq (the partials,
-// freshly allocated pages) and their sum: 16 items (no split from 16 kv heads on; an unsplit kv
-// head is one item of the same cost as every other, causal or not) measured 12-14 % faster than
-// 64 for causal and ~2 % for full attention (2-core dev VM, 2 threads, B=1 H=16 N=2048 D=128,
-// fp32 and bf16). FA2CPU_BWD_TARGET_ITEMS overrides it at build time for experiments.
+// Key-axis splits: a call aims at target_items() items, splitting each (sequence, kv head) into
+// at most kMaxSplits key ranges of whole tiles (the target depends on the machine's CPU count,
+// like the cap below, so the plan depends on shapes and the machine, never on the thread count:
+// determinism). A split costs every row it sees packed once more, one float32 copy of its rows'
+// dq (the partials) and their sum, and buys load balance. The target is the larger of
+// FA2CPU_BWD_TARGET_ITEMS (16) and kItemsPerCpu per CPU:
+// - 16 items (no split from 16 kv heads on; an unsplit kv head is one item of the same cost as
+//   every other, causal or not) measured 12-14 % faster than 64 for causal and ~2 % for full
+//   attention on 2 CPUs (2-core dev VM, 2 threads, B=1 H=16 N=2048 D=128, fp32 and bf16);
+// - on the 16-core AMX Xeon, 64 items instead of 16 (H=16 N=2048: 4 splits of 512 keys instead of
+//   the cap's 2) ran bf16 1.015 / 1.061x (full), 1.106 / 1.113x (causal), H=8 1.147x faster at 16
+//   threads, fp32 (3 splits to 4) 0.960 / 0.975x (full), 0.998 / 1.158x (causal) (in-process
+//   A/B, bench/RESULTS.md session 43): whole items of ~10 ms on 16 threads left cores idle.
 #ifndef FA2CPU_BWD_TARGET_ITEMS
 #define FA2CPU_BWD_TARGET_ITEMS 16
 #endif
-constexpr int64_t kTargetItems = FA2CPU_BWD_TARGET_ITEMS;
+constexpr int64_t kItemsPerCpu = 4;
 constexpr int64_t kMaxSplits = 8;
+int64_t machine_cpus() {
+    static const int64_t cpus = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
+    return cpus;
+}
+int64_t target_items() { return std::max<int64_t>(FA2CPU_BWD_TARGET_ITEMS, kItemsPerCpu * machine_cpus()); }
 // An item streams its scratch (its packed K/V and dK/dV accumulators) once per row group, so
 // every busy core holds one item's scratch: long key ranges are split further until one item's
 // scratch is at most a budget / (the machine's CPU count). The CPU count is the machine's, never
@@ -58,9 +68,8 @@ constexpr int64_t kMaxSplits = 8;
 #define FA2CPU_BWD_F32_BUDGET_MB 32
 #endif
 int64_t item_scratch_cap(const Params& p) {
-    static const int64_t cpus = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
     const int64_t mb = DType(p.dtype) == DType::bf16 ? FA2CPU_BWD_CACHE_BUDGET_MB : FA2CPU_BWD_F32_BUDGET_MB;
-    return (mb << 20) / cpus;
+    return (mb << 20) / machine_cpus();
 }
 
 // A (sequence, kv head) whose dq is the sum of `count` split items' partials, in split order.
@@ -97,7 +106,7 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     const Params& p = bp.f;
     Plan plan;
     const int64_t G = p.hq / p.hk, tile = K.kv_tile;
-    const int64_t want = std::min(kMaxSplits, (kTargetItems + p.batch * p.hk - 1) / (p.batch * p.hk));
+    const int64_t want = std::min(kMaxSplits, (target_items() + p.batch * p.hk - 1) / (p.batch * p.hk));
     const int64_t cap = item_scratch_cap(p);
     std::vector<double> cost;
     for (int64_t b = 0; b < p.batch; ++b) {
