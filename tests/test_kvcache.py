@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import fa2cpu
-from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, rand, ref
+from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, rand, ref, run_python
+from fa2cpu._reference import kvcache_ref
 
 _REF_SKIP = ("num_splits", "num_threads", "out", "return_lse")
 
@@ -517,3 +518,39 @@ def test_lean_validator_matches_full_checks(layout, paged, case, batch):
             else:
                 assert lean_value.shape == full_value.shape and lean_value.strides == full_value.strides
                 assert lean_value.ctypes.data == full_value.ctypes.data, field
+
+
+_WIDEN_CHILD = """
+import sys
+import ml_dtypes, numpy as np, fa2cpu
+fa2cpu.set_isa("avx2")
+rng = np.random.default_rng(7)
+res = {}
+# (D, Dv, Hq, Hk, keys, num_splits): head dims with whole 16-feature blocks, an 8-feature step and
+# a ragged tail; one-head groups (Hq / Hk = 4) and groups spanning heads (6 / 1, 2 / 1).
+for i, (D, Dv, Hq, Hk, n, s) in enumerate([(40, 57, 8, 2, 300, 0), (128, 128, 8, 2, 700, 3), (23, 8, 6, 1, 33, 0),
+                                            (96, 104, 2, 1, 129, 2), (16, 48, 4, 4, 5, 0)]):
+    q = rng.standard_normal((2, 1, Hq, D)).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((2, n, Hk, D)).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((2, n, Hk, Dv)).astype(ml_dtypes.bfloat16)
+    out = fa2cpu.flash_attention_with_kvcache(q, k, v, num_splits=s)
+    res.update({f"q{i}": q.astype(np.float32), f"k{i}": k.astype(np.float32), f"v{i}": v.astype(np.float32),
+                f"o{i}": out.astype(np.float32)})
+np.savez(sys.argv[1], **res)
+"""
+
+
+@pytest.mark.skipif("avx2" not in fa2cpu.available_isas(), reason="the avx2 family does not run on this CPU")
+@pytest.mark.parametrize("widen", ["split", "zext"])
+def test_avx2_bf16_cache_widen_forms(tmp_path, widen):
+    """Both widenings of the avx2 family's bf16 cache decode (gemm_decode_avx2.h Avx2Bf16Decode: the
+    CPU's vendor picks one per process, FA2CPU_AVX2_BF16_WIDEN forces it) against the float64
+    reference, on head dims that cut the split form's 16-feature blocks (it keeps q and O permuted
+    per whole block) and with split-KV partials (which read O back through the same layout)."""
+    path = tmp_path / "widen.npz"
+    res = run_python(_WIDEN_CHILD, path, env={"FA2CPU_AVX2_BF16_WIDEN": widen, "FA2CPU_ISA": None})
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = np.load(path)
+    for i in range(5):
+        q, k, v = (got[f"{x}{i}"].astype(ml_dtypes.bfloat16) for x in "qkv")
+        check_close(got[f"o{i}"], kvcache_ref(q, k, v)[0], "bfloat16", what=f"case {i} ({widen})")

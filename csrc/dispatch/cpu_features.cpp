@@ -40,6 +40,7 @@ static CpuFeatures detect() {
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return f;
     const unsigned max_leaf = a;
+    f.amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
     __get_cpuid(1, &a, &b, &c, &d);
     const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29), avx = c & (1u << 28);
     if (!osxsave || !avx) return f;

@@ -7,6 +7,7 @@ namespace fa2cpu {
 struct CpuFeatures {
 #define FA2CPU_FAMILY(name, flags) bool name = false;
 #include "fa2cpu/catalogue.def"
+    bool amd = false;  // vendor "AuthenticAMD" (a kernel variant may prefer one vendor's cores)
 };
 const CpuFeatures& cpu_features();
 }  // namespace fa2cpu

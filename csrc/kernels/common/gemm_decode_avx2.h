@@ -15,9 +15,11 @@
 
 #include <cfloat>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
+#include "../../dispatch/cpu_features.h"
 #include "decode_operands.h"
 #include "routes.h"
 #include "tile_loop.h"
@@ -48,25 +50,33 @@ struct F32x8 : Elem8<F32x8, float> {
     static constexpr float kUnit = 1.f;
     static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
 };
-// bfloat16: load16 widens 16 values from one 256-bit load as the even features (each dword's low
-// half shifted up) and the odd ones (its high half, masked): 2 integer operations per 16 instead
-// of 2 zero-extensions (vpmovzxwd ymm, m128: 1.9 cycles each on Zen 1) and 2 shifts. Both
-// products take whole 16-feature blocks in that order: q is packed (pack_q_row) and O is kept
-// (o_elem) with each whole block's features as [0, 2, .., 14, 1, 3, .., 15]; a block cut by D or
-// Dv stays in natural order (load / load_n). See DecodeGemm8::perm16.
-struct Bf16x8 : Elem8<Bf16x8, uint16_t> {
+// bfloat16. kSplit: load16 widens 16 values from one 256-bit load as the even features (each
+// dword's low half shifted up) and the odd ones (its high half, masked): 2 integer operations per
+// 16 instead of 2 zero-extensions (vpmovzxwd ymm, m128: 1.9 cycles each on Zen 1) and 2 shifts.
+// Both products then take whole 16-feature blocks in that order: q is packed (pack_q_row) and O is
+// kept (o_elem) with each whole block's features as [0, 2, .., 14, 1, 3, .., 15]; a block cut by
+// D or Dv stays in natural order (load / load_n). See DecodeGemm8::perm16 and Avx2Bf16Decode.
+template <bool kSplit>
+struct Bf16x8 : Elem8<Bf16x8<kSplit>, uint16_t> {
+    using T = uint16_t;
     static constexpr bool kCodes = false;
-    static constexpr bool kLoad16 = true;
-    static constexpr bool kSplit16 = true;
+    static constexpr bool kLoad16 = kSplit;
+    static constexpr bool kSplit16 = kSplit;
     static constexpr float kUnit = 1.f;
     static __m256 load(const T* p) {
         const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
-    static void load16(const T* p, __m256& even, __m256& odd) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-        odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int32_t(0xffff0000u))));
+    // 16 values from p: kSplit, (even features, odd features); else (first 8, next 8).
+    static void load16(const T* p, __m256& a, __m256& b) {
+        if constexpr (kSplit) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            a = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            b = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int32_t(0xffff0000u))));
+        } else {
+            a = load(p);
+            b = load(p + 8);
+        }
     }
 };
 struct F16x8 : Elem8<F16x8, uint16_t> {
@@ -723,11 +733,42 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
     }
 };
 
+// The bf16 cache's decode loop of the avx2 family: the split widening (Bf16x8<true>) on AMD cores,
+// the zero-extension form elsewhere, chosen once per process. In-process A/B against the
+// zero-extension form (bench/ab_inproc.py T decode bf16, B=16 Hq=32 Hk=8 Nk=8192 D=128): Zen 1
+// 1.16x at 2 threads; the AMX test machine's Intel cores with the avx2 family forced 0.90-1.02x
+// (median ~0.96; one 32-byte load per 16 values crosses a line at every other step of NumPy's
+// rows, which start 16 bytes past a line; two 16-byte loads cost Zen 1 5 % and did not help
+// there). FA2CPU_AVX2_BF16_WIDEN=split|zext overrides the choice (tests run both).
+template <class V256>
+struct Avx2Bf16Decode {
+    using Split = TileLoop<V256, DecodeGemm8<Bf16x8<true>>>;
+    using Zext = TileLoop<V256, DecodeGemm8<Bf16x8<false>>>;
+    static constexpr int64_t BC = Split::BC;
+    static_assert(Zext::BC == BC, "one tile size");
+    static bool split() {
+        static const bool s = [] {
+            const char* e = std::getenv("FA2CPU_AVX2_BF16_WIDEN");
+            if (e && std::strcmp(e, "split") == 0) return true;
+            if (e && std::strcmp(e, "zext") == 0) return false;
+            return cpu_features().amd;
+        }();
+        return s;
+    }
+    static int64_t scratch_floats(const Params& p, int64_t rows) {
+        return split() ? Split::scratch_floats(p, rows) : Zext::scratch_floats(p, rows);
+    }
+    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
+        if (split()) Split::run_item(p, it, ctx);
+        else Zext::run_item(p, it, ctx);
+    }
+};
+
 // The decode route of the avx2 family (routes.h): every K/V dtype through the float32 products,
 // but an int8 cache read by 16-bit queries: int16 products.
 template <class V256>
 using Avx2DecodeRoute = DecodeRoute<TileLoop<V256, DecodeGemm8<F32x8>>, TileLoop<V256, DecodeGemm8<F16x8>>,
-                                    TileLoop<V256, DecodeGemm8<Bf16x8>>, TileLoop<V256, DecodeGemm8<I8x8>>,
+                                    Avx2Bf16Decode<V256>, TileLoop<V256, DecodeGemm8<I8x8>>,
                                     TileLoop<V256, DecodeGemm8<F8x8>>, TileLoop<V256, Q16DecodeGemm8>>;
 
 }  // namespace
