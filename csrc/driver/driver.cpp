@@ -108,7 +108,16 @@ namespace {
 // threads on the AMX machine (hot; in the model within its spread). (Only such items' pieces
 // halve: 2048 keys keep 16 splits on 8 threads.) Single-head items keep the key minimum: only
 // the multi-head case was measured to gain.
+// From kManyThreads threads on, those multi-head items aim at kSpanItemsPerThread per thread:
+// with 2, a slow core holding one of a thread's 2 items set the call's time. On the AMX test
+// machine, B=16 Hq=32 Hk=8 Nk=8192 D=128 bf16 q (bench/RESULTS.md session 43): 8 splits (8 items
+// a thread) instead of 2 ran the bf16 cache 1.32-1.39x and the int8 one 1.22-1.27x as fast at 16
+// threads, 4 splits instead of none 1.16 / 1.21x at 8 threads; B=64 Nk=2048 at 16 threads, 2
+// splits instead of none 1.08 / 1.17x. On 2 threads (2-core Zen 1) more splits cost 2-7 % (B=1,
+// 2, 4), so fewer threads keep 2 a thread (3 to 7 threads were not measured).
 constexpr int64_t kMinItemsPerThread = 2;
+constexpr int64_t kSpanItemsPerThread = 8;
+constexpr int kManyThreads = 8;
 constexpr int64_t kMinKeysPerSplit = 512;
 constexpr int64_t kMinSplitBytes = int64_t(128) << 10;
 // Split boundaries fall on multiples of kSplitKeys keys, or of the route's K/V tile when the call
@@ -237,7 +246,8 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         const int64_t span = bs.ke - bs.kb;
         int64_t splits = p.num_splits;
         if (splits == 0) {
-            const int64_t want = (int64_t(threads) * kMinItemsPerThread + nbase - 1) / std::max<int64_t>(nbase, 1);
+            const int64_t per_thread = bs.it.kv_heads > 1 && threads >= kManyThreads ? kSpanItemsPerThread : kMinItemsPerThread;
+            const int64_t want = (int64_t(threads) * per_thread + nbase - 1) / std::max<int64_t>(nbase, 1);
             const int64_t key_bytes = int64_t(bs.it.kv_heads) * (p.d + p.dv) * int64_t(dtype_size(kv_dtype(p)));
             const int64_t min_keys =
                 bs.it.kv_heads > 1 ? std::clamp<int64_t>(kMinSplitBytes / std::max<int64_t>(key_bytes, 1), 1, kMinKeysPerSplit)
