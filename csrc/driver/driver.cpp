@@ -114,10 +114,13 @@ namespace {
 // a thread) instead of 2 ran the bf16 cache 1.32-1.39x and the int8 one 1.22-1.27x as fast at 16
 // threads, 4 splits instead of none 1.16 / 1.21x at 8 threads; B=64 Nk=2048 at 16 threads, 2
 // splits instead of none 1.08 / 1.17x. On 2 threads (2-core Zen 1) more splits cost 2-7 % (B=1,
-// 2, 4), so fewer threads keep 2 a thread (3 to 7 threads were not measured).
+// 2, 4), so fewer threads keep 2 a thread (3 to 7 threads were not measured). Those extra splits
+// keep kSpanMinKeys keys each (the sweep's splits held 256 to 1024 keys; B=64 Nk=2048 ran 8 splits
+// of 256 keys slower than 4), so B=1 keeps its 32 splits of the rule above.
 constexpr int64_t kMinItemsPerThread = 2;
 constexpr int64_t kSpanItemsPerThread = 8;
 constexpr int kManyThreads = 8;
+constexpr int64_t kSpanMinKeys = 256;
 constexpr int64_t kMinKeysPerSplit = 512;
 constexpr int64_t kMinSplitBytes = int64_t(128) << 10;
 // Split boundaries fall on multiples of kSplitKeys keys, or of the route's K/V tile when the call
@@ -246,13 +249,17 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         const int64_t span = bs.ke - bs.kb;
         int64_t splits = p.num_splits;
         if (splits == 0) {
-            const int64_t per_thread = bs.it.kv_heads > 1 && threads >= kManyThreads ? kSpanItemsPerThread : kMinItemsPerThread;
-            const int64_t want = (int64_t(threads) * per_thread + nbase - 1) / std::max<int64_t>(nbase, 1);
+            // Splits that give every thread `per_thread` items, none shorter than min_keys.
+            auto rule = [&](int64_t per_thread, int64_t min_keys) {
+                const int64_t want = (int64_t(threads) * per_thread + nbase - 1) / std::max<int64_t>(nbase, 1);
+                return std::min(want, span / min_keys);
+            };
             const int64_t key_bytes = int64_t(bs.it.kv_heads) * (p.d + p.dv) * int64_t(dtype_size(kv_dtype(p)));
             const int64_t min_keys =
                 bs.it.kv_heads > 1 ? std::clamp<int64_t>(kMinSplitBytes / std::max<int64_t>(key_bytes, 1), 1, kMinKeysPerSplit)
                                    : kMinKeysPerSplit;
-            splits = std::min(want, span / min_keys);
+            splits = rule(kMinItemsPerThread, min_keys);
+            if (bs.it.kv_heads > 1 && threads >= kManyThreads) splits = std::max(splits, rule(kSpanItemsPerThread, kSpanMinKeys));
         }
         // Each split holds at least one unit and starts a whole number of units after the first key.
         const int64_t units = (span + unit - 1) / unit;
