@@ -736,10 +736,12 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
 // The bf16 cache's decode loop of the avx2 family: the split widening (Bf16x8<true>) on AMD cores,
 // the zero-extension form elsewhere, chosen once per process. In-process A/B against the
 // zero-extension form (bench/ab_inproc.py T decode bf16, B=16 Hq=32 Hk=8 Nk=8192 D=128): Zen 1
-// 1.16x at 2 threads; the AMX test machine's Intel cores with the avx2 family forced 0.90-1.02x
-// (median ~0.96; one 32-byte load per 16 values crosses a line at every other step of NumPy's
-// rows, which start 16 bytes past a line; two 16-byte loads cost Zen 1 5 % and did not help
-// there). FA2CPU_AVX2_BF16_WIDEN=split|zext overrides the choice (tests run both).
+// 1.16x at 2 threads; the AMX test machine's Intel cores with the avx2 family forced 0.87-1.02x
+// over 13 pairs (median 0.95; that machine's two-package A/Bs are loose, a same-code control
+// moved 20 % in a later call). A suspect there: one 32-byte load per 16 values crosses a line at
+// every other step of NumPy's rows, which start 16 bytes past a line; two 16-byte loads cost Zen 1
+// 5 % and did not help on Intel. FA2CPU_AVX2_BF16_WIDEN=split|zext overrides the choice (tests
+// run both).
 template <class V256>
 struct Avx2Bf16Decode {
     using Split = TileLoop<V256, DecodeGemm8<Bf16x8<true>>>;
