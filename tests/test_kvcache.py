@@ -10,7 +10,6 @@ import pytest
 
 import fa2cpu
 from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, rand, ref, run_python
-from fa2cpu._reference import kvcache_ref
 
 _REF_SKIP = ("num_splits", "num_threads", "out", "return_lse")
 
@@ -553,4 +552,4 @@ def test_avx2_bf16_cache_widen_forms(tmp_path, widen):
     got = np.load(path)
     for i in range(5):
         q, k, v = (got[f"{x}{i}"].astype(ml_dtypes.bfloat16) for x in "qkv")
-        check_close(got[f"o{i}"], kvcache_ref(q, k, v)[0], "bfloat16", what=f"case {i} ({widen})")
+        check_close(got[f"o{i}"], ref.kvcache_ref(q, k, v)[0], "bfloat16", what=f"case {i} ({widen})")

@@ -67,12 +67,15 @@ struct Bf16x8 : Elem8<Bf16x8<kSplit>, uint16_t> {
         const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
+    // The even / odd features of 16 values held in w (one 256-bit load) as float32.
+    static __m256 even(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+    static __m256 odd(__m256i w) { return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int32_t(0xffff0000u)))); }
     // 16 values from p: kSplit, (even features, odd features); else (first 8, next 8).
     static void load16(const T* p, __m256& a, __m256& b) {
         if constexpr (kSplit) {
             const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-            a = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-            b = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int32_t(0xffff0000u))));
+            a = even(w);
+            b = odd(w);
         } else {
             a = load(p);
             b = load(p + 8);
@@ -138,12 +141,16 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
         const int64_t t = j % 16;
         return j - t + (t % 2 ? 8 + t / 2 : t / 2);
     }
-    static void pack_q_row(float* q, int64_t, int64_t r, const float* row, int64_t D, float qscale) {
+    // DecodeOperands' q / O layouts with perm16's order (the same layouts without E::kSplit16).
+    static void pack_q_row(float* q, int64_t M, int64_t r, const float* row, int64_t D, float qscale) {
+        if constexpr (!E::kSplit16) return B::pack_q_row(q, M, r, row, D, qscale);
         float* o = q + r * dp(D);
         for (int64_t d = 0; d < D; ++d) o[perm16(d, D)] = row[d] * qscale;
         for (int64_t d = D; d < dp(D); ++d) o[d] = 0.f;
     }
-    static float o_elem(const float* o, int64_t, int64_t Dv, int64_t r, int64_t j) { return o[r * dp(Dv) + perm16(j, Dv)]; }
+    static float o_elem(const float* o, int64_t M, int64_t Dv, int64_t r, int64_t j) {
+        return B::o_elem(o, M, Dv, r, perm16(j, Dv));
+    }
 
     // n (may be <= 0 or >= 8) values from p: a plain load for 8, zeros for none.
     static __m256 load_n(const T* p, int64_t n) {
@@ -220,8 +227,7 @@ struct DecodeGemm8 : DecodeOperands<E, 4> {
                 for (int j = 0; j < RG; ++j) qv[j] = _mm256_loadu_ps(qr + j * Dp + d + 8 * h);
 #pragma GCC unroll 2
                 for (int i = 0; i < KB; ++i) {
-                    const __m256 kv = _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(raw[i], 16)
-                                                                 : _mm256_and_si256(raw[i], _mm256_set1_epi32(int32_t(0xffff0000u))));
+                    const __m256 kv = h == 0 ? E::even(raw[i]) : E::odd(raw[i]);
 #pragma GCC unroll 4
                     for (int j = 0; j < RG; ++j) acc[i][j] = _mm256_fmadd_ps(kv, qv[j], acc[i][j]);
                 }
