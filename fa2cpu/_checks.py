@@ -195,7 +195,10 @@ def _threads(num_threads):
 def _f32_real(name, x, what="a float"):
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, np.floating, np.integer)):
         raise TypeError(f"{name}: expected {what}, got {type(x).__name__}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"{name}: an int of {int(x).bit_length()} bits does not fit float32") from None
 
 
 def _bool(name, x):
@@ -352,6 +355,8 @@ def _mask(mask, shape):
                                  f"by log2(e) in float32), got values in [{lo:g}, {hi:g}]; use -inf to mask out")
         if m.dtype != np.float32:
             m = np.broadcast_to(compact.astype(np.float32), m.shape)
+        elif not m.flags.aligned:  # copied at its own size (_fix_strides below would copy the broadcast)
+            m = np.broadcast_to(compact.copy(order="C"), m.shape)
     else:
         raise TypeError(f"mask: dtype {m.dtype} is not supported; expected bool (True = attend) "
                         f"or a float dtype (added to the scores)")
@@ -454,7 +459,7 @@ def _cu_seqlens(name, cu, total):
     cu = np.array(cu, dtype=np.int64, order="C")  # always a copy: out= may share the caller's memory
     if cu[0] != 0:
         raise ValueError(f"{name}: must start at 0, got {cu[0]}")
-    if np.any(np.diff(cu) < 0):
+    if np.any(cu[1:] < cu[:-1]):  # compared, not subtracted: np.diff wraps near the int64 limits
         raise ValueError(f"{name}: must be non-decreasing")
     if cu[-1] != total:
         raise ValueError(f"{name}: last entry {cu[-1]} does not equal the total number of rows {total}")
@@ -468,6 +473,16 @@ def _cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, total_k):
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_k: shape {cu_k.shape} does not match cu_seqlens_q's shape {cu_q.shape}")
     return cu_q, cu_k
+
+
+def _max_seqlens(max_seqlen_q, max_seqlen_k, cu_q, cu_k):
+    """The varlen calls' optional bounds: ints >= the longest sequence of their side."""
+    for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
+        if given is not None:
+            given = _int(name, given, 0)
+            longest = int(np.diff(cu).max()) if cu.shape[0] > 1 else 0
+            if given < longest:
+                raise ValueError(f"{name}: {given} is shorter than the longest sequence ({longest})")
 
 
 def _packed(**arrays):

@@ -4,7 +4,7 @@ pointers and element strides, releases the GIL and calls the kernel. All argumen
 happens before this point, in fa2cpu/attention.py."""
 cimport numpy as cnp
 import numpy as np
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
+from libc.stdint cimport INT64_MAX, int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t
 from libc.math cimport fabsf, isfinite, ldexpf, nearbyintf
 from libc.string cimport memcpy
 from openmp cimport omp_get_max_threads
@@ -266,6 +266,9 @@ cdef class DecodeStep:
             self.p.block_table_batch_stride = cnp.PyArray_STRIDES(bt)[0] // 4
             self.p.block_size = block_size
             self.cache_batch = cnp.PyArray_DIM(bt, 0)
+            if block_size < 1 or cnp.PyArray_DIM(bt, 1) > INT64_MAX // block_size:
+                raise ValueError(f"block_table: {cnp.PyArray_DIM(bt, 1)} blocks of {block_size} rows do not make a "
+                                 f"capacity of 1 to 2**63 - 1 keys")
             self.capacity = cnp.PyArray_DIM(bt, 1) * block_size
         self.lengths = np.zeros(self.cache_batch, np.int64)
 
@@ -480,6 +483,7 @@ def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, 
     k = _element_strided(k)
     v = _element_strided(v)
     out = _element_strided(out)
+    lse = _element_strided(lse)  # the caller's lse (the forward's own is element-strided)
     _fill(&p.f, q, k, v, out, lse, dtype, batch, hq, hk, nq, nk, scale, softcap, win_left, win_right, alibi,
           cu_q, cu_k, num_threads)
     _view(dout, &p.dout, &p.dout_batch_stride, &p.dout_head_stride, &p.dout_row_stride, &p.dout_dim_stride)

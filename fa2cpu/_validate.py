@@ -11,8 +11,10 @@ import numpy as np
 
 from . import _core
 from ._checks import (_CODES, _DTYPES, _MAX_SPLITS, MAX_HEAD_DIM, _alibi, _array, _cache_scale, _cu_seqlens_pair, _data,
-                      _dtype_code, _head_dims, _heads, _int, _mask, _Options, _out, _packed, _qkv, _same_dtype,
-                      _threads)
+                      _dtype_code, _head_dims, _heads, _int, _mask, _max_seqlens, _Options, _out, _packed, _qkv,
+                      _same_dtype, _threads)
+
+_INT64_MAX = 2**63 - 1  # positions and capacities the kernels address (int64)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,12 +99,7 @@ def varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     _head_dims("q", D, Dk, Dv, shapes)
     cu_q, cu_k = _cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, total_k)
     B = cu_q.shape[0] - 1
-    for name, given, cu in (("max_seqlen_q", max_seqlen_q, cu_q), ("max_seqlen_k", max_seqlen_k, cu_k)):
-        if given is not None:
-            given = _int(name, given, 0)
-            longest = int(np.diff(cu).max()) if B else 0
-            if given < longest:
-                raise ValueError(f"{name}: {given} is shorter than the longest sequence ({longest})")
+    _max_seqlens(max_seqlen_q, max_seqlen_k, cu_q, cu_k)
     options = _Options(D, causal, scale, window, softcap, total_q, total_k)
     alibi = _alibi(alibi_slopes, B, Hq)
     threads = _threads(num_threads)
@@ -261,6 +258,8 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
                 or block_table.shape[0] != B:
             return None
         capacity = block_table.shape[1] * block_size
+        if capacity > _INT64_MAX:  # the full checks' error
+            return None
     if type(cache_seqlens) is int:
         lengths, length = None, cache_seqlens
     elif cache_seqlens is None:  # the whole capacity (an append then fails the bound below)
@@ -373,6 +372,9 @@ def _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         if num_blocks > np.iinfo(np.int32).max:
             raise ValueError(f"k_cache: {num_blocks} blocks; a paged cache holds at most 2**31 - 1 blocks")
         capacity = table.shape[1] * block_size
+        if capacity > _INT64_MAX:
+            raise ValueError(f"block_table: {table.shape[1]} blocks of {block_size} rows make a capacity of "
+                             f"{capacity} keys, more than 2**63 - 1")
     else:
         table = None
         if num_blocks != B:

@@ -10,7 +10,8 @@ the key ranges of one work item, never on ``num_threads``).
 import numpy as np
 
 from . import _core
-from ._checks import _DTYPES, _Options, _alibi, _cu_seqlens_pair, _data, _dsinks, _packed, _qkv, _sinks, _threads
+from ._checks import (_DTYPES, _Options, _alibi, _cu_seqlens_pair, _data, _dsinks, _max_seqlens, _packed, _qkv, _sinks,
+                      _threads)
 
 __all__ = ["flash_attention_backward", "flash_attention_varlen_backward"]
 
@@ -124,7 +125,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     _match("out", out, (total_q, Hq, v.shape[2]), q.dtype, "the forward output's (q's)")
     _match("lse", lse, (Hq, total_q), np.float32, "float32")
     cu_q, cu_k = _cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0])
-    del max_seqlen_q, max_seqlen_k  # bounds for the forward's planning; the loop needs none
+    _max_seqlens(max_seqlen_q, max_seqlen_k, cu_q, cu_k)  # checked as the forward's; the loop needs none
     B = cu_q.shape[0] - 1
     options = _Options(q.shape[2], causal, scale, window, softcap, total_q, k.shape[0])
     alibi = _alibi(alibi_slopes, B, Hq)

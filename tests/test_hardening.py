@@ -523,3 +523,129 @@ def test_results_do_not_depend_on_threads_or_a_busy_core(isa, rng):
     finally:
         hog.kill()
         hog.wait()
+
+
+# ------------------------------------------------------------------------------ session 44's fuzzing
+
+@pytest.mark.parametrize("side", ["q", "k"])
+def test_cu_seqlens_whose_differences_wrap_are_refused(side):
+    """np.diff of [0, 3 * 2**61, -2**62, 4] wraps to all-positive differences: the check compares
+    neighbours instead (before: bad_alloc, a segfault, or a hang in the varlen backward)."""
+    proc = run_py(f"""
+        import numpy as np, pytest, fa2cpu
+        x = np.ones((4, 2, 8), np.float32)
+        bad, good = np.array([0, 3 * 2**61, -2**62, 4], np.int64), np.array([0, 1, 2, 4], np.int64)
+        cq, ck = (bad, good) if "{side}" == "q" else (good, bad)
+        name = "cu_seqlens_{side}"
+        with pytest.raises(ValueError, match=name + ": must be non-decreasing"):
+            fa2cpu.flash_attention_varlen(x, x, x, cq, ck, num_threads=1)
+        out, lse = fa2cpu.flash_attention_varlen(x, x, x, good, good, return_lse=True)
+        with pytest.raises(ValueError, match=name + ": must be non-decreasing"):
+            fa2cpu.flash_attention_varlen_backward(out, x, x, x, out, lse, cq, ck, num_threads=1)
+    """, timeout=60)
+    assert_ok(proc)
+
+
+def test_backward_lse_with_odd_byte_strides_gives_the_same_gradients(rng):
+    """An lse whose byte strides are not multiples of 4 (a float32 field of packed records) is
+    copied like q / k / v (before: the kernels read it at stride // 4, garbage gradients)."""
+    def odd(a):  # the same values at a byte stride of 6 per element
+        raw = np.zeros(a.size * 6 + 8, np.uint8)
+        st = tuple(6 * int(np.prod(a.shape[i + 1:])) for i in range(a.ndim))
+        b = np.ndarray(a.shape, np.float32, buffer=raw, offset=2, strides=st)
+        b[...] = a
+        return b
+    q, k, v = rand(rng, (1, 2, 5, 8)), rand(rng, (1, 1, 5, 8)), rand(rng, (1, 1, 5, 8))
+    out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
+    dout = rand(rng, out.shape)
+    want = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse)
+    for got, w in zip(fa2cpu.flash_attention_backward(dout, q, k, v, out, odd(lse)), want):
+        np.testing.assert_array_equal(got, w)
+    qv, kv, vv = (np.ascontiguousarray(x[0].transpose(1, 0, 2)) for x in (q, k, v))
+    cu = np.array([0, 2, 5])
+    o, l = fa2cpu.flash_attention_varlen(qv, kv, vv, cu, cu, return_lse=True)
+    want = fa2cpu.flash_attention_varlen_backward(o, qv, kv, vv, o, l, cu, cu)
+    for got, w in zip(fa2cpu.flash_attention_varlen_backward(o, qv, kv, vv, o, odd(l), cu, cu), want):
+        np.testing.assert_array_equal(got, w)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_paged_capacity_beyond_int64_is_refused_before_writing(append):
+    """16 blocks of 2**60 rows (a zero-stride cache) are 2**64 keys: ValueError naming block_table,
+    the cache untouched (before: the append was written, then an OverflowError naming nothing)."""
+    from numpy.lib.stride_tricks import as_strided
+    base = np.zeros((1, 1, 1, 1), np.float32)
+    kc, vc = (as_strided(base, shape=(1, 2**60, 1, 1), strides=(0, 0, 0, 4)) for _ in range(2))
+    bt = np.zeros((1, 16), np.int32)
+    q = np.ones((1, 1, 1, 1), np.float32)
+    new = dict(k=np.full((1, 1, 1, 1), 5.0, np.float32), v=np.full((1, 1, 1, 1), 5.0, np.float32)) if append else {}
+    for extra in ({}, dict(alibi_slopes=np.zeros(1, np.float32))):  # the fast checks, then the full ones
+        with pytest.raises(ValueError, match=arg("block_table")):
+            fa2cpu.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=5, block_table=bt, num_threads=1,
+                                                **new, **extra)
+        assert base.ravel()[0] == 0
+
+
+def test_unaligned_float_mask_is_not_copied_at_full_size(rng):
+    """A float32 (Nk,) mask read from packed records (unaligned) is copied at its own size, not at
+    the broadcast (B, Hq, Nq, Nk) one (API.md: a mask is never expanded to a full copy)."""
+    import tracemalloc
+    B, H, N, D = 1, 8, 256, 16
+    q, k, v = (rand(rng, (B, H, N, D)) for _ in range(3))
+    rec = np.zeros(N, dtype=np.dtype([("tag", "u1"), ("bias", "<f4")], align=False))
+    rec["bias"] = rng.standard_normal(N).astype(np.float32)
+    rec["bias"][-3:] = -np.inf
+    m = rec["bias"]
+    assert not m.flags.aligned
+    want = fa2cpu.flash_attention(q, k, v, mask=np.ascontiguousarray(m), num_threads=1)
+    tracemalloc.start()
+    try:
+        got = fa2cpu.flash_attention(q, k, v, mask=m, num_threads=1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(got, want)
+    full = B * H * N * N * 4
+    assert peak < full // 4, (peak, full)
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+def test_float_arguments_given_as_huge_ints_name_the_argument(name):
+    q = np.ones((1, 1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match=arg(name)):
+        fa2cpu.flash_attention(q, q, q, **{name: 10**400})
+    with pytest.raises(ValueError, match=arg(name)):
+        fa2cpu.flash_attention_with_kvcache(q, q.copy(), q.copy(), **{name: 10**400})
+
+
+def test_varlen_backward_checks_max_seqlen_like_the_forward():
+    x = np.ones((4, 2, 8), np.float32)
+    cu = np.array([0, 1, 4])
+    out, lse = fa2cpu.flash_attention_varlen(x, x, x, cu, cu, return_lse=True)
+    with pytest.raises(ValueError, match=arg("max_seqlen_q")):
+        fa2cpu.flash_attention_varlen_backward(out, x, x, x, out, lse, cu, cu, max_seqlen_q=2)
+    with pytest.raises(TypeError, match=arg("max_seqlen_k")):
+        fa2cpu.flash_attention_varlen_backward(out, x, x, x, out, lse, cu, cu, max_seqlen_k="x")
+    fa2cpu.flash_attention_varlen_backward(out, x, x, x, out, lse, cu, cu, max_seqlen_q=3, max_seqlen_k=9)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nonfinite_key_hidden_by_a_bool_mask_stays_out(isa, rng, bad, dtype):
+    """A NaN / inf key (garbage in a padding slot) that a bool mask hides reaches no row: the mask
+    selects -inf instead of adding it to the score (before: NaN + -inf = NaN in every row). A
+    row the mask hides everything from returns 0 / -inf."""
+    import ml_dtypes
+    dt = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    for nq, nk in ((16, 16), (40, 300), (1, 70)):  # a tile loop, several key tiles, a decode-shaped call
+        q, k, v = (rand(rng, s).astype(dt) for s in ((1, 2, nq, 32), (1, 1, nk, 32), (1, 1, nk, 32)))
+        hidden = [0, nk // 2, nk - 1]
+        k[0, 0, hidden, :] = bad
+        m = np.ones((1, 2, nq, nk), bool)
+        m[..., hidden] = False
+        m[0, 1, 0, :] = False  # a row that sees nothing
+        out, lse = fa2cpu.flash_attention(q, k, v, mask=m, return_lse=True)
+        r_out, _ = ref.attention_ref(q, np.where(np.isfinite(k.astype(np.float32)), k, 0).astype(dt), v, mask=m)
+        assert np.isfinite(out).all() and np.isfinite(lse[0, 0]).all()
+        assert (out[0, 1, 0] == 0).all() and lse[0, 1, 0] == -np.inf
+        check_close(out, r_out, dtype)

@@ -373,13 +373,17 @@ struct TileLoop {
                 if (mk != MaskKind::none) {
                     float* mv = mask_values + c * RB + v * W;
                     if (mk == MaskKind::boolean) {
+                        // A False entry selects -inf (1 here, "outside" [-1, 0.5] below) rather than
+                        // adding it: a NaN / inf score of a hidden key (garbage in a padding slot)
+                        // must not reach the row (API.md: never NaN from masking).
                         const uint8_t* mb = static_cast<const uint8_t*>(p.mask);
-                        for (int t = 0; t < W; ++t) mv[t] = mb[mask_row_offset[rv + t] + (c0 + c) * p.mask_key_stride] ? 0.f : -INFINITY;
+                        for (int t = 0; t < W; ++t) mv[t] = mb[mask_row_offset[rv + t] + (c0 + c) * p.mask_key_stride] ? 0.f : 1.f;
+                        x = V::mask_outside(x, V::load(mv), V::set1(-1.f), V::set1(0.5f), ninf);
                     } else {
                         const float* mf = static_cast<const float*>(p.mask);
                         for (int t = 0; t < W; ++t) mv[t] = mf[mask_row_offset[rv + t] + (c0 + c) * p.mask_key_stride] * kLog2e;
+                        x = V::add(x, V::load(mv));
                     }
-                    x = V::add(x, V::load(mv));
                 }
                 if (range_mask) x = V::mask_outside(x, V::set1(kc), lo, hi, ninf);
                 V::store(sp, x);
