@@ -157,9 +157,27 @@ def _cache_scale(name, scale, cache_name, cache, appending):
                          f"got {scale.shape}")
     if not scale.flags.aligned:
         raise ValueError(f"{name}: data pointer and strides must be aligned to 4 bytes")
-    if appending and not scale.flags.writeable:
-        raise ValueError(f"{name}: array is read-only but k/v are to be appended")
+    if appending:
+        _append_target(name, scale)
     return scale
+
+
+def _append_target(name, a):
+    """A cache or scale array that an append writes: writable, and no two of its elements at one
+    address (a zero stride on an axis longer than 1: a broadcast / expanded view, whose sequences
+    would overwrite each other's rows)."""
+    if not a.flags.writeable:
+        raise ValueError(f"{name}: array is read-only but k/v are to be appended")
+    for axis, (n, st) in enumerate(zip(a.shape, a.strides)):
+        if st == 0 and n > 1:
+            raise ValueError(f"{name}: axis {axis} has stride 0 (a broadcast or expanded view): appended rows would "
+                             f"overwrite each other")
+
+
+def _distinct_targets(k_name, k, v_name, v):
+    """The k and v arrays an append writes must not be the same memory (v would overwrite k)."""
+    if k.size and k.__array_interface__["data"][0] == v.__array_interface__["data"][0]:
+        raise ValueError(f"{v_name}: the same memory as {k_name}; the append would write v over k")
 
 
 def _fix_strides(a):

@@ -115,6 +115,13 @@ def _check_tensors(**named):
         raise TypeError("q: expected a torch.Tensor, got None")
     if q.dtype not in _FLOATS:
         raise TypeError(f"q: dtype {q.dtype} is not supported; expected {_ACCEPTED}")
+    # One device for all (a meta tensor beside CPU ones would send the operator to its fake
+    # implementation, which returns uninitialised memory).
+    device = q.device.type
+    for name, t in named.items():
+        if t is not None and t.device.type != device:
+            raise ValueError(f"{name}: on device {t.device.type}, q on {device}: every tensor must be on one "
+                             f"device (fa2cpu runs on the CPU)")
 
 
 def _result(q, v):

@@ -91,7 +91,9 @@ _STEP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _decode_step(k_cache, v_cache):
-    """This thread's DecodeStep over the (k_cache, v_cache) pair (bshd, contiguous caches)."""
+    """This thread's DecodeStep over the (k_cache, v_cache) pair (bshd, contiguous caches); None
+    for caches the append must not write (expanded views, one tensor as both): the general
+    route's checks then refuse them."""
     steps = getattr(_STEPS, "steps", None)
     if steps is None:
         steps = _STEPS.steps = {}
@@ -100,6 +102,9 @@ def _decode_step(k_cache, v_cache):
     entry = steps.get(key)
     if entry is not None and entry[0]() is k_cache and entry[1]() is v_cache and entry[2] == now:
         return entry[3]
+    if k_cache.data_ptr() == v_cache.data_ptr() or any(
+            st == 0 and n > 1 for c in (k_cache, v_cache) for n, st in zip(c.shape, c.stride())):
+        return None
     forget = lambda _, key=key, steps=steps: steps.pop(key, None)  # noqa: E731
     k4 = _borrowed_view(k_cache).transpose(0, 2, 1, 3)  # the core's (batch, head, position, feature)
     v4 = _borrowed_view(v_cache).transpose(0, 2, 1, 3)
@@ -137,6 +142,8 @@ def _kvcache_step(q, k_cache, v_cache, k, v, length, causal, scale, softcap, num
         return None
     threads = _threads(num_threads)  # (num_threads is None or an int >= 1 here)
     step = _decode_step(k_cache, v_cache)
+    if step is None:
+        return None
     lengths = np.full(B, length, np.int32)
     out = torch.empty((B, M, Hq, Dv), dtype=dtype)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
@@ -262,7 +269,17 @@ _SCHEMAS = {
 def _define(name, cpu, fake):
     _LIB.define(name + _SCHEMAS[name])
     _LIB.impl(name, cpu, "CPU")
-    torch.library.register_fake(f"fa2cpu::{name}", fake, lib=_LIB)
+
+    def one_device(*args, **kwargs):
+        # A meta tensor among CPU ones dispatches here, not to the CPU kernel: refuse, as the
+        # CPU kernel's checks would, instead of returning uninitialised tensors.
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        for t in tensors[1:]:
+            if t.device.type != tensors[0].device.type:
+                raise ValueError(f"fa2cpu::{name}: tensors on devices {tensors[0].device.type} and {t.device.type}; "
+                                 f"every tensor must be on one device (fa2cpu runs on the CPU)")
+        return fake(*args, **kwargs)
+    torch.library.register_fake(f"fa2cpu::{name}", one_device, lib=_LIB)
 
 
 def _lse_shape(q, layout):

@@ -10,9 +10,9 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from . import _core
-from ._checks import (_CODES, _DTYPES, _MAX_SPLITS, MAX_HEAD_DIM, _alibi, _array, _cache_scale, _cu_seqlens_pair, _data,
-                      _dtype_code, _head_dims, _heads, _int, _mask, _max_seqlens, _Options, _out, _packed, _qkv,
-                      _same_dtype, _threads)
+from ._checks import (_CODES, _DTYPES, _MAX_SPLITS, MAX_HEAD_DIM, _alibi, _append_target, _array, _cache_scale,
+                      _cu_seqlens_pair, _data, _distinct_targets, _dtype_code, _head_dims, _heads, _int, _mask,
+                      _max_seqlens, _Options, _out, _packed, _qkv, _same_dtype, _threads)
 
 _INT64_MAX = 2**63 - 1  # positions and capacities the kernels address (int64)
 
@@ -239,14 +239,17 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     new_tokens = 0
     if k is not None or v is not None:
         if type(k) is not np.ndarray or type(v) is not np.ndarray or k.dtype is not dtype or v.dtype is not dtype \
-                or k.ndim != 4 or v.ndim != 4 or not k_cache.flags.writeable or not v_cache.flags.writeable:
-            return None
+                or k.ndim != 4 or v.ndim != 4 or not k_cache.flags.writeable or not v_cache.flags.writeable \
+                or 0 in k_cache.strides or 0 in v_cache.strides or np.may_share_memory(k_cache, v_cache):
+            return None  # (the last two: maybe append targets that alias; the full checks decide)
         if layout == "bhsd":  # the append takes (batch, position, head, feature)
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         new_tokens = k.shape[1]
         if k.shape != (B, new_tokens, Hk, D) or v.shape != (B, new_tokens, Hk, Dv):
             return None
         if codes is not None and not (k_scale.flags.writeable and v_scale.flags.writeable
+                                      and 0 not in k_scale.strides and 0 not in v_scale.strides
+                                      and not np.may_share_memory(k_scale, v_scale)
                                       and np.isfinite(k).all() and np.isfinite(v).all()):
             return None
     if block_table is None:
@@ -356,10 +359,10 @@ def _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
         raise
     Dv = v_cache.shape[3]
     _head_dims("q", D, Dk, Dv, shapes, k_name="k_cache", v_name="v_cache")
-    if k is not None:  # both caches are written by the append: both must be writable
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not cache.flags.writeable:
-                raise ValueError(f"{name}: array is read-only but k/v are to be appended")
+    if k is not None:  # both caches are written by the append
+        _append_target("k_cache", k_cache)
+        _append_target("v_cache", v_cache)
+        _distinct_targets("k_cache", k_cache, "v_cache", v_cache)
 
     if block_table is not None:
         table = _array("block_table", block_table)
@@ -447,6 +450,8 @@ def _kvcache_problem_bshd(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
     # Every remaining check and conversion happens before the append writes the first byte.
     k_scale = _cache_scale("k_scale", k_scale, "k_cache", k_cache, new_tokens > 0)
     v_scale = _cache_scale("v_scale", v_scale, "v_cache", v_cache, new_tokens > 0)
+    if new_tokens > 0 and k_scale is not None and v_scale is not None:
+        _distinct_targets("k_scale", k_scale, "v_scale", v_scale)
     if codes is not None and new_tokens:
         _quantizable(k=(k, k_cache, k_scale), v=(v, v_cache, v_scale))
     options = _Options(D, causal, scale, window, softcap, Nq, capacity)

@@ -243,7 +243,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     else:
         seqlens, seqlens_int = None, _int("cache_seqlens", cache_seqlens)
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
-                   alibi_slopes=alibi_slopes, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                   alibi_slopes=alibi_slopes, out=out, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                   cache_seqlens=seqlens)
     if out is None:
         out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])
     lse = torch.ops.fa2cpu.flash_attention_with_kvcache(

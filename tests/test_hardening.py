@@ -579,8 +579,10 @@ def test_paged_capacity_beyond_int64_is_refused_before_writing(append):
     bt = np.zeros((1, 16), np.int32)
     q = np.ones((1, 1, 1, 1), np.float32)
     new = dict(k=np.full((1, 1, 1, 1), 5.0, np.float32), v=np.full((1, 1, 1, 1), 5.0, np.float32)) if append else {}
+    # (appending, the zero-stride rows are refused first: test_append_targets_that_alias_...)
+    name = arg("k_cache") if append else arg("block_table")
     for extra in ({}, dict(alibi_slopes=np.zeros(1, np.float32))):  # the fast checks, then the full ones
-        with pytest.raises(ValueError, match=arg("block_table")):
+        with pytest.raises(ValueError, match=name):
             fa2cpu.flash_attention_with_kvcache(q, kc, vc, cache_seqlens=5, block_table=bt, num_threads=1,
                                                 **new, **extra)
         assert base.ravel()[0] == 0
@@ -649,3 +651,24 @@ def test_nonfinite_key_hidden_by_a_bool_mask_stays_out(isa, rng, bad, dtype):
         assert np.isfinite(out).all() and np.isfinite(lse[0, 0]).all()
         assert (out[0, 1, 0] == 0).all() and lse[0, 1, 0] == -np.inf
         check_close(out, r_out, dtype)
+
+
+def test_append_targets_that_alias_are_refused_before_writing():
+    """An append into a writable zero-stride cache (rows shared between sequences), into one array
+    given as both caches, or into one array given as both scales: ValueError, nothing written."""
+    from numpy.lib.stride_tricks import as_strided
+    q, kn, vn = (np.ones((2, 1, 1, 8), np.float32) for _ in range(3))
+    base = np.zeros((1, 4, 1, 8), np.float32)
+    kc = as_strided(base, shape=(2, 4, 1, 8), strides=(0,) + base.strides[1:])
+    for extra in ({}, dict(alibi_slopes=np.zeros(1, np.float32))):  # the fast checks, then the full ones
+        with pytest.raises(ValueError, match=arg("k_cache") + ": axis 0 has stride 0"):
+            fa2cpu.flash_attention_with_kvcache(q, kc, np.zeros((2, 4, 1, 8), np.float32), kn, vn, cache_seqlens=0,
+                                                **extra)
+        cache = np.zeros((2, 4, 1, 8), np.float32)
+        with pytest.raises(ValueError, match=arg("v_cache") + ": the same memory as k_cache"):
+            fa2cpu.flash_attention_with_kvcache(q, cache, cache[:], kn, vn, cache_seqlens=0, **extra)
+        codes, s = np.zeros((2, 4, 1, 8), np.int8), np.zeros((2, 4, 1), np.float32)
+        with pytest.raises(ValueError, match=arg("v_scale") + ": the same memory as k_scale"):
+            fa2cpu.flash_attention_with_kvcache(q, codes, codes.copy(), kn, vn, cache_seqlens=0, k_scale=s,
+                                                v_scale=s, **extra)
+        assert not base.any() and not cache.any() and not codes.any() and not s.any()

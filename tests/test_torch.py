@@ -712,3 +712,43 @@ def test_sinks_compile_fullgraph(rng):
     sinks = torch.tensor([0.3, -0.7])
     fn = torch.compile(lambda q, k, v, s: ft.flash_attention(q, k, v, causal=True, sinks=s), fullgraph=True)
     same(fn(q, k, v, sinks), ft.flash_attention(q, k, v, causal=True, sinks=sinks))
+
+
+# ------------------------------------------------------------------------------ session 44's fuzzing
+
+def test_a_meta_tensor_beside_cpu_ones_is_refused():
+    """A meta tensor among CPU ones dispatches the operator to its fake implementation: refused
+    there and before (before: uninitialised memory returned, garbage gradients)."""
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 5, 8, device="meta"), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="k: on device meta"):
+        ft.flash_attention(q, k, v)
+    with pytest.raises(ValueError, match="sinks: on device meta"):
+        ft.flash_attention(q, torch.randn(1, 2, 5, 8), v, sinks=torch.zeros(2, device="meta"))
+    with pytest.raises(ValueError, match="every tensor must be on one device"):
+        torch.ops.fa2cpu.flash_attention(q.detach(), k, v, False, None, [-1, -1], None, None, None, "bhsd", None)
+    qv, kv = torch.randn(5, 2, 8), torch.randn(5, 2, 8, device="meta")
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="k: on device meta"):
+        ft.flash_attention_varlen(qv.requires_grad_(), kv, torch.randn(5, 2, 8), cu, cu)
+    with pytest.raises(ValueError, match="cu_seqlens_k: on device meta"):
+        ft.flash_attention_varlen(qv, torch.randn(5, 2, 8), torch.randn(5, 2, 8), cu, cu.to("meta"))
+    # all on meta: shape inference through the fake implementation, as before
+    qm = torch.randn(1, 2, 4, 8, device="meta")
+    assert ft.flash_attention(qm, k, k).shape == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("route", ["step", "general"])
+def test_an_expanded_cache_is_refused_as_an_append_target(route):
+    """Sequences of an expanded (stride-0) cache share their rows: an append would let them
+    overwrite each other (torch refuses such writes itself; a broadcast NumPy cache is read-only)."""
+    kc, vc = torch.zeros(1, 4, 1, 16).expand(2, -1, -1, -1), torch.zeros(1, 4, 1, 16).expand(2, -1, -1, -1)
+    q, kn, vn = (torch.randn(2, 1, 1, 16) for _ in range(3))
+    extra = {} if route == "step" else dict(alibi_slopes=torch.zeros(1))
+    with pytest.raises(ValueError, match="k_cache: axis 0 has stride 0"):
+        ft.flash_attention_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=0, **extra)
+    assert not kc.any() and not vc.any()
+    cache = torch.zeros(2, 4, 1, 16)
+    with pytest.raises(ValueError, match="v_cache: the same memory as k_cache"):
+        ft.flash_attention_with_kvcache(q, cache, cache, kn, vn, cache_seqlens=0, **extra)
+    assert not cache.any()
