@@ -98,20 +98,27 @@ def _not_an_array(name, x):
     if isinstance(x, (list, tuple)):
         return TypeError(f"{name}: expected a NumPy array, got a Python {kind.__name__}; convert it first, "
                          f"e.g. np.asarray({name}, dtype=np.float32)")
+    if isinstance(x, np.ma.MaskedArray):
+        return TypeError(f"{name}: got a numpy.ma.MaskedArray, whose mask the kernels would ignore; pass "
+                         f"{name}.filled(value) (or np.asarray({name}) to use the data as it is)")
     return TypeError(f"{name}: expected a NumPy array, got {kind.__name__}")
 
 
 def _data(name, x):
     """q, k, v, caches, out, dout: ndarrays only (no silent conversion of lists or tensors)."""
-    if isinstance(x, np.ndarray):
+    if type(x) is np.ndarray:
+        return x
+    if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray):
         return x
     raise _not_an_array(name, x)
 
 
 def _array(name, x):
     """Small arguments (masks, slopes, index arrays): ndarrays or anything np.asarray accepts."""
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray):
         return x
+    if isinstance(x, np.ma.MaskedArray):
+        raise _not_an_array(name, x)
     if x is None:
         raise TypeError(f"{name}: expected a NumPy array, got None")
     if type(x).__module__.split(".")[0] == "torch":
@@ -225,9 +232,16 @@ def _bool(name, x):
     return bool(x)
 
 
+def _flag(name, x):
+    """_bool with the common case (a Python bool) first: a decode call's return_lse."""
+    return x if type(x) is bool else _bool(name, x)
+
+
 def _window_pair(window):
     """(left, right) ints of a window argument (values checked by _Options)."""
     try:
+        if not isinstance(window, (tuple, list, np.ndarray)):  # a set / dict / generator has no order to trust
+            raise TypeError
         left, right = window
     except (TypeError, ValueError):
         raise ValueError(f"window: expected a pair (left, right) of ints >= -1, got {window!r}") from None

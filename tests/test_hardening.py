@@ -672,3 +672,25 @@ def test_append_targets_that_alias_are_refused_before_writing():
             fa2cpu.flash_attention_with_kvcache(q, codes, codes.copy(), kn, vn, cache_seqlens=0, k_scale=s,
                                                 v_scale=s, **extra)
         assert not base.any() and not cache.any() and not codes.any() and not s.any()
+
+
+def test_loose_option_and_array_types_are_refused():
+    """A window as a set / dict / generator (no order to trust), a non-bool return_lse, and masked
+    arrays (whose mask the kernels would ignore) are refused, naming the argument."""
+    x = np.ones((1, 1, 4, 8), np.float32)
+    for window in ({3, 5}, {3: 0, 5: 0}, (w for w in (3, 5))):
+        with pytest.raises(ValueError, match=arg("window")):
+            fa2cpu.flash_attention(x, x, x, window=window)
+    np.testing.assert_array_equal(fa2cpu.flash_attention(x, x, x, window=np.array([1, 0])),
+                                  fa2cpu.flash_attention(x, x, x, window=[1, 0]))
+    for call in (lambda: fa2cpu.flash_attention(x, x, x, return_lse="no"),
+                 lambda: fa2cpu.flash_attention_with_kvcache(x, x.copy(), x.copy(), return_lse=1),
+                 lambda: fa2cpu.flash_attention_varlen(x[0, 0, :, None], x[0, 0, :, None], x[0, 0, :, None],
+                                                       np.array([0, 4]), np.array([0, 4]), return_lse=None)):
+        with pytest.raises(TypeError, match=arg("return_lse")):
+            call()
+    assert len(fa2cpu.flash_attention(x, x, x, return_lse=np.bool_(True))) == 2
+    with pytest.raises(TypeError, match=arg("k") + ": got a numpy.ma.MaskedArray"):
+        fa2cpu.flash_attention(x, np.ma.masked_array(x, mask=x > 2), x)
+    with pytest.raises(TypeError, match=arg("mask") + ": got a numpy.ma.MaskedArray"):
+        fa2cpu.flash_attention(x, x, x, mask=np.ma.masked_array(np.ones((4, 4), bool)))

@@ -752,3 +752,11 @@ def test_an_expanded_cache_is_refused_as_an_append_target(route):
     with pytest.raises(ValueError, match="v_cache: the same memory as k_cache"):
         ft.flash_attention_with_kvcache(q, cache, cache, kn, vn, cache_seqlens=0, **extra)
     assert not cache.any()
+
+
+def test_return_lse_must_be_a_bool():
+    x = torch.ones(1, 1, 4, 8)
+    with pytest.raises(TypeError, match="return_lse: expected a bool"):
+        ft.flash_attention(x, x, x, return_lse="no")
+    with pytest.raises(TypeError, match="return_lse: expected a bool"):
+        ft.flash_attention_with_kvcache(x, x.clone(), x.clone(), return_lse=1)
