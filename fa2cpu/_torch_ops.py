@@ -61,6 +61,12 @@ def _kvcache_impl(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal,
     torch.empty on the decode path)."""
     if type(cache_seqlens) is not int and isinstance(cache_seqlens, torch.Tensor):  # (an int: the decode case)
         cache_seqlens = _np("cache_seqlens", cache_seqlens)
+    if k is not None:  # views of one tensor have distinct owners in NumPy: the pointers tell
+        for (kn, kt), (vn, vt) in ((("k_cache", k_cache), ("v_cache", v_cache)),
+                                   (("k_scale", k_scale), ("v_scale", v_scale))):
+            if isinstance(kt, torch.Tensor) and isinstance(vt, torch.Tensor) and kt.numel() \
+                    and kt.data_ptr() == vt.data_ptr():
+                raise ValueError(f"{vn}: the same memory as {kn}; the append would write v over k")
     out_view, lse = _api._with_kvcache(
         _np("q", q), _cache_view("k_cache", k_cache), _cache_view("v_cache", v_cache),
         None if k is None else _np("k", k), None if v is None else _np("v", v), cache_seqlens,

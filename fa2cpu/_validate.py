@@ -164,6 +164,17 @@ _F32 = np.dtype(np.float32)
 _INDEX_DTYPES = (_INT32, np.dtype(np.int64))  # dtype instances: `in` then tests identity first (~0.05 us, not 0.5)
 
 
+def _may_alias(a, b):
+    """Whether two arrays may share memory, cheaply: one object, or views of one owner whose
+    bounds overlap (arrays with other owners cannot; fa2cpu.torch compares its tensors' pointers)."""
+    owner_a, owner_b = a.base, b.base
+    if owner_a is None:
+        owner_a = a
+    if owner_b is None:
+        owner_b = b
+    return a is b or (owner_a is owner_b and np.may_share_memory(a, b))
+
+
 def _contiguous_writable(flags):  # one flags object (each .flags access builds a new one)
     return flags.c_contiguous and flags.writeable and flags.aligned
 
@@ -240,8 +251,8 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
     if k is not None or v is not None:
         if type(k) is not np.ndarray or type(v) is not np.ndarray or k.dtype is not dtype or v.dtype is not dtype \
                 or k.ndim != 4 or v.ndim != 4 or not k_cache.flags.writeable or not v_cache.flags.writeable \
-                or 0 in k_cache.strides or 0 in v_cache.strides or np.may_share_memory(k_cache, v_cache):
-            return None  # (the last two: maybe append targets that alias; the full checks decide)
+                or 0 in k_cache.strides or 0 in v_cache.strides or _may_alias(k_cache, v_cache):
+            return None  # (the last three: maybe append targets that alias; the full checks decide)
         if layout == "bhsd":  # the append takes (batch, position, head, feature)
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         new_tokens = k.shape[1]
@@ -249,7 +260,7 @@ def kvcache_problem_lean(q, k_cache, v_cache, k, v, cache_seqlens, block_table, 
             return None
         if codes is not None and not (k_scale.flags.writeable and v_scale.flags.writeable
                                       and 0 not in k_scale.strides and 0 not in v_scale.strides
-                                      and not np.may_share_memory(k_scale, v_scale)
+                                      and not _may_alias(k_scale, v_scale)
                                       and np.isfinite(k).all() and np.isfinite(v).all()):
             return None
     if block_table is None:
