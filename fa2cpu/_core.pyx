@@ -432,6 +432,8 @@ cdef inline float _quantize_row(char* dst, int64_t dst_stride, const char* src, 
         y = _load(src + i * src_stride * item, dtype) / div
         if i8:
             y = nearbyintf(y)
+        elif sc == 0:  # a row of zeros (-0.0 included) gets codes 0, not float8's -0 (0x80)
+            y = 0.0
         y = limit if y > limit else (-limit if y < -limit else y)
         if i8:
             (<int8_t*>(dst + i * dst_stride))[0] = <int8_t>y

@@ -199,6 +199,8 @@ def _quantize(x, cache, with_scales):
     y = x / np.where(scale > 0, scale, np.float32(1))[..., None]
     if cache.dtype == np.int8:
         np.rint(y, out=y)
+    elif not scale.all():  # float8: a row of zeros (-0.0 included) gets codes 0, not 0x80
+        y[scale == 0] = 0.0
     return np.minimum(np.maximum(y, -limit, out=y), limit, out=y).astype(cache.dtype), scale
 
 

@@ -453,3 +453,20 @@ def test_f8_bf16_products_precision(isa, rng, layout, Hq, Hk, D, Dv, cap):
     err = np.abs(out.astype(np.float64) - r_out)
     assert (err <= 2.0 ** -8 * (r_abs + np.abs(r_out)) + 1e-6).all(), f"max error {err.max():.3g}"
     np.testing.assert_allclose(lse.astype(np.float64), r_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_float8_row_of_negative_zeros_gets_codes_0():
+    """API.md: a row of zeros gets scale 0 and codes 0, -0.0 included (float8 would write -0,
+    0x80); -0.0 in a row that is not all zeros keeps float8's -0."""
+    f8 = ml_dtypes.float8_e4m3fn
+    q = np.ones((1, 1, 1, 8), np.float32)
+    k = np.zeros((1, 2, 1, 8), np.float32)
+    k[0, 0, 0, ::2] = -0.0
+    k[0, 1, 0, :] = -0.0
+    k[0, 1, 0, 3] = 2.0
+    kc, vc = np.zeros((1, 4, 1, 8), f8), np.zeros((1, 4, 1, 8), f8)
+    ks, vs = np.full((1, 4, 1), -1, np.float32), np.full((1, 4, 1), -1, np.float32)
+    fa2cpu.flash_attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=0, k_scale=ks, v_scale=vs)
+    assert ks[0, 0, 0] == 0 and (kc.view(np.uint8)[0, 0] == 0).all()
+    codes = kc.view(np.uint8)[0, 1, 0]
+    assert codes[0] == 0x80 and codes[3] == np.float32(448).astype(f8).view(np.uint8)

@@ -44,3 +44,23 @@ def test_peak_memory(n, d, causal, mask):
     info = peak_memory_script(SCRIPT, n, d, "1" if causal else "0", mask)
     assert info["finite"]
     assert info["extra_mib"] < LIMIT_MIB, f"peak grew by {info['extra_mib']:.0f} MiB"
+
+
+def test_explicit_splits_keep_chunked_prefill_memory_bounded():
+    """An explicit num_splits on a long chunked prefill: the split items' partial rows stay within
+    the driver's budget (before: 16384 rows x 256 splits of partials, ~530 MiB)."""
+    info = peak_memory_script("""
+        n = 16384
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((1, n, 1, 64), dtype=np.float32)
+        kc = rng.standard_normal((1, n, 1, 64), dtype=np.float32)
+        small = fa2cpu.flash_attention_with_kvcache(q[:, :64], kc[:, :64], kc[:, :64], num_splits=4)
+        base = hwm_kib()
+        out = fa2cpu.flash_attention_with_kvcache(q, kc, kc, causal=True, num_splits=256)
+        peak = hwm_kib()
+        ref = fa2cpu.flash_attention_with_kvcache(q[:, -64:], kc, kc, causal=True, num_splits=1)
+        ok = bool(np.isfinite(out).all()) and bool(np.allclose(out[:, -64:], ref, atol=1e-5))
+        print(json.dumps({"extra_mib": (peak - base) / 1024, "finite": ok}))
+    """)
+    assert info["finite"]
+    assert info["extra_mib"] < LIMIT_MIB, f"peak grew by {info['extra_mib']:.0f} MiB"

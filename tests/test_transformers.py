@@ -224,6 +224,7 @@ def test_decode_step_quantizes_like_numpy(code, dtype):
     assert np.array_equal(_np("s", scales)[0, :, 0].view(np.uint32), want_scales[0].view(np.uint32))
     assert torch.equal(vcache.view(torch.uint8), cache.view(torch.uint8)) and seqlens[0] == rows
     assert torch.equal(_tensor(want_codes[0]).view(torch.uint8), cache[0, :, 0].view(torch.uint8))
+    assert not cache[0, 1:3].view(torch.uint8).any()  # rows of zeros, -0.0 too: codes 0 (API.md)
     before = cache.clone(), scales.clone()
     bad = x.clone()
     bad[5, 3] = float("inf") if dtype is not torch.float16 else float("nan")

@@ -128,6 +128,11 @@ constexpr int64_t kMinSplitBytes = int64_t(128) << 10;
 // 256-key tiles let 2048 keys of an interleaved 4-head cache (16 items wanted by the byte rule)
 // make only 8 items, half of 16 threads idle (bench/RESULTS.md, issue 9).
 constexpr int64_t kSplitKeys = 64;
+// The split items' partial rows (each split's O rows and LSE, float32) of a call stay within this
+// many bytes, shared evenly by its unsplit items: an explicit num_splits on a long chunked prefill
+// (N = 32768, 512 splits) asked 2 GB of partials, O(Nq x splits) against API.md / DESIGN.md's
+// O(N x D). The automatic rule splits decode-sized items, far below it.
+constexpr int64_t kMaxPartBytes = int64_t(64) << 20;
 // Shared K/V tiles (kernel.h SharedTiles) are used when they fit in this many bytes; the buffer
 // is kept for the calling thread's next call up to 64 MB (driver.h ThreadFloats).
 constexpr int64_t kSharedTilesBudgetBytes = int64_t(512) << 20;
@@ -263,7 +268,8 @@ Plan make_plan(const Params& p, const KernelTable& T, int threads) {
         }
         // Each split holds at least one unit and starts a whole number of units after the first key.
         const int64_t units = (span + unit - 1) / unit;
-        splits = std::max<int64_t>(1, std::min(splits, units));
+        const int64_t part_cap = kMaxPartBytes / (int64_t(sizeof(float)) * (p.dv + 1) * std::max<int64_t>(rows, 1) * nbase);
+        splits = std::max<int64_t>(1, std::min({splits, units, part_cap}));
         if (splits == 1) {
             plan.items.push_back(bs.it);
             plan.cost.push_back(bs.cost);
