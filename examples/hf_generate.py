@@ -22,26 +22,30 @@ import transformers  # noqa: E402
 import fa2cpu  # noqa: E402
 import fa2cpu.integrations.transformers as fa2hf  # noqa: E402
 from fa2cpu.bench import long_dtype_arg  # noqa: E402
+from fa2cpu.bench.cli import positive_int  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2.75 x hidden)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--prompt", type=int, default=256, help="prompt length (longest sequence)")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=2, help="sequences; rows after the first are left-padded")
+    p.add_argument("--hidden", type=positive_int, default=2048)
+    p.add_argument("--intermediate", type=positive_int, default=None, help="MLP width (default 2.75 x hidden)")
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--heads", type=positive_int, default=16)
+    p.add_argument("--kv-heads", type=positive_int, default=4)
+    p.add_argument("--vocab", type=positive_int, default=32000)
+    p.add_argument("--prompt", type=positive_int, default=256, help="prompt length (longest sequence)")
+    p.add_argument("--new-tokens", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=2, help="sequences; rows after the first are left-padded")
     p.add_argument("--dtype", type=long_dtype_arg, default="float32",
                    help="float32, bfloat16, float16 (or fp32, bf16, fp16)")
     p.add_argument("--paged", action="store_true", help="paged KVCache (blocks of --block-size)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--threads", type=int, default=None, help="torch and fa2cpu threads (default: all)")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch and fa2cpu threads (default: all)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.heads % args.kv_heads or args.hidden % args.heads:
+        p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}, which must divide --hidden {args.hidden}")
+    return args
 
 
 def main(argv=None):

@@ -10,8 +10,12 @@ import warnings as _warnings
 try:
     from . import _core
 except ImportError as _e:  # pragma: no cover - exercised by tests/test_hardening.py in a subprocess
+    import glob as _glob
     _here = _os.path.dirname(_os.path.abspath(__file__))
-    if _os.path.exists(_os.path.join(_here, "_core.pyx")) and _os.path.exists(_os.path.join(_here, "..", "setup.py")):
+    # Only a checkout without a built extension: any other failure (a broken NumPy, a second
+    # interpreter) keeps its own message.
+    if _os.path.exists(_os.path.join(_here, "_core.pyx")) and _os.path.exists(_os.path.join(_here, "..", "setup.py")) \
+            and not _glob.glob(_os.path.join(_here, "_core*.so")) and not _glob.glob(_os.path.join(_here, "_core*.pyd")):
         raise ImportError(
             f"fa2cpu's compiled extension (fa2cpu._core) is not built in the source checkout at "
             f"{_os.path.dirname(_here)}, and Python imported fa2cpu from there (the current directory "

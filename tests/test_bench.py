@@ -126,6 +126,10 @@ def test_help_documents_every_option_and_the_json_schema(capsys):
     (["--baselines", "numpy", "none"], "cannot be combined"),
     (["--json", "/nonexistent-dir/out.json"], "cannot write into"),
     (["--budget-s", "-1"], ">= 0"),
+    (["--head-dim", "257"], "head dims 1 to 256"),
+    (["--json", ""], "empty file name"),
+    (["--json", "/tmp"], "is a folder"),
+    (["--json", "same.png", "--plot", "same.png"], "name the same file"),
 ])
 def test_bad_arguments_exit_2_with_a_message(capsys, args, message):
     with pytest.raises(SystemExit) as e:
@@ -359,3 +363,30 @@ def test_quantized_kv_cache_rows(capsys, tmp_path):
     q_out = B * Hq * 2 * D * 2
     assert by_kv[None]["bytes"] == q_out + B * Nk * Hk * 2 * D * 2
     assert by_kv["int8"]["bytes"] == q_out + B * Nk * Hk * (2 * D + 8)
+
+
+def test_plot_draws_a_quantized_cache_as_its_own_line(tmp_path, capsys, monkeypatch):
+    """Decode rows of an int8 cache are measured at the same Nk as the float cache's: one line
+    each, not one zigzag line."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+    lines = []
+    real = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda self, *a, **kw: lines.append((kw.get("label"), a[0])) or real(self, *a, **kw))
+    code, _, _ = run_main(capsys, "--mode", "decode", "--seqlen", "64", "128", "--heads", "4", "--dtype", "fp32",
+                          "--kv-dtype", "int8", "--threads", "1", "--baselines", "none", "--no-check",
+                          "--plot", str(tmp_path / "p.png"))
+    assert code == 0
+    labels = [label for label, _ in lines]
+    assert len(labels) == 2 and any("int8 cache" in label for label in labels), labels
+    assert list(lines[0][1]) == list(lines[1][1]) and len(set(lines[0][1])) == len(lines[0][1]) >= 2
+
+
+def test_output_closed_early_still_writes_the_json(tmp_path):
+    """`fa2cpu-bench ... | head -2`: no BrokenPipeError traceback, the JSON still written."""
+    path = tmp_path / "r.json"
+    proc = subprocess.run(f"{sys.executable} -m fa2cpu.bench --mode decode --seqlen 64 --heads 4 --dtype fp32 "
+                          f"--repeat 1 --warmup 0 --baselines none --json {path} | head -2",
+                          shell=True, capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert json.loads(path.read_text())["records"]

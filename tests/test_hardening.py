@@ -694,3 +694,17 @@ def test_loose_option_and_array_types_are_refused():
         fa2cpu.flash_attention(x, np.ma.masked_array(x, mask=x > 2), x)
     with pytest.raises(TypeError, match=arg("mask") + ": got a numpy.ma.MaskedArray"):
         fa2cpu.flash_attention(x, x, x, mask=np.ma.masked_array(np.ones((4, 4), bool)))
+
+
+def test_import_failure_of_a_built_checkout_keeps_its_own_message(tmp_path):
+    """A built checkout whose import fails for another reason (here: no NumPy, `python -S`) reports
+    that reason, not "not built"."""
+    src = tmp_path / "checkout"
+    shutil.copytree(REPO / "fa2cpu", src / "fa2cpu", ignore=shutil.ignore_patterns("_core.cpp", "__pycache__"))
+    shutil.copy(REPO / "setup.py", src / "setup.py")
+    if not list((src / "fa2cpu").glob("_core*.so")):
+        pytest.skip("the checkout's extension is not built in place (installed elsewhere)")
+    proc = subprocess.run([sys.executable, "-S", "-c", "import fa2cpu"], capture_output=True, text=True,
+                          timeout=60, cwd=src)
+    assert proc.returncode != 0
+    assert "not built" not in proc.stderr and "numpy" in proc.stderr, proc.stderr

@@ -8,6 +8,7 @@ import sys
 import time
 
 import fa2cpu
+from fa2cpu._checks import MAX_HEAD_DIM
 
 from . import peers
 from .cases import (DECODE_GQA_GROUP, DEFAULT_DTYPES, DEFAULT_HEAD_DIM, DEFAULT_MODES, DTYPE_LONG_NAMES,
@@ -183,12 +184,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = _flatten(args.dtype, DEFAULT_DTYPES)
     args.seqlen = _flatten(args.seqlen, ())
     args.kv_dtype = [None] + [k for k in _flatten(args.kv_dtype, ("same",)) if k != "same"]
+    if len(args.kv_dtype) > 1 and "decode" not in args.mode:
+        args.notes.append(f"--kv-dtype {' '.join(args.kv_dtype[1:])}: applies to decode only (not in --mode here)")
+    given = bool(args.threads)
     threads = sorted(_flatten(args.threads, (default_threads(),)))
     cpus = usable_cpus()
     args.threads = sorted({min(t, cpus) for t in threads})
     if max(threads) > cpus:
-        args.notes.append(f"--threads {' '.join(map(str, threads))}: capped at {cpus}, the CPUs this "
-                          "process may use (more threads would only time oversubscription)")
+        source = f"--threads {' '.join(map(str, threads))}" if given else f"{threads[0]} threads (OpenMP's default)"
+        args.notes.append(f"{source}: capped at {cpus}, the CPUs this process may use (more threads would only "
+                          "time oversubscription)")
     args.causal = args.causal or [False, True]
     baselines = _flatten(args.baselines, peers.BASELINES)
     if "none" in baselines and len(baselines) > 1:
@@ -213,10 +218,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         else:
             chosen.append(isa)
     args.isa = list(dict.fromkeys(chosen))
+    if args.head_dim > MAX_HEAD_DIM:
+        parser.error(f"--head-dim {args.head_dim}: fa2cpu takes head dims 1 to {MAX_HEAD_DIM}")
     for option, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.access(folder, os.W_OK):
+        if path is None:
+            continue
+        if not path.strip():
+            parser.error(f"{option}: empty file name")
+        if os.path.isdir(path):
+            parser.error(f"{option} {path}: is a folder; give a file name")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.access(folder, os.W_OK):
             parser.error(f"{option} {path}: cannot write into {folder} (missing or read-only)")
+    if args.json and args.plot and os.path.abspath(args.json) == os.path.abspath(args.plot):
+        parser.error(f"--json and --plot name the same file {args.json}: the plot would overwrite the JSON")
     if args.plot:
         try:
             check_plot_path(args.plot)
@@ -250,6 +265,18 @@ def sweep_plan(args) -> tuple[list[str], dict[str, tuple[int, ...]], set[str], f
     return lines, ladders, trimmable, budget
 
 
+def _print(write) -> None:
+    """Runs `write` (prints to stdout); if the reader has gone (`fa2cpu-bench | head`), later output
+    goes nowhere and the run goes on: its --json and --plot files still get what was measured."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     args = parse_args(argv)
@@ -273,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         if "decode" in args.mode:
             for t in args.threads:
                 probes.bandwidth(t)
-        print(format_header(machine, sweep, args.dtype, plan), flush=True)
+        _print(lambda: print(format_header(machine, sweep, args.dtype, plan), flush=True))
     records: list[Record] = []
     skipped = []
     interrupted = False
@@ -295,22 +322,22 @@ def main(argv: list[str] | None = None) -> int:
         probes.note(f"--budget-s {budget:g}: left out {left_out}, predicted to run past the budget; "
                     "--budget-s 0 runs every length")
     add_speedups(records)
-    print_report(records, args.baselines, probes.notes)
+    _print(lambda: print_report(records, args.baselines, probes.notes))
     if not args.quiet:
-        print(f"\nfa2cpu-bench: {len(records)} rows in {time.perf_counter() - start:.0f} s")
+        _print(lambda: print(f"\nfa2cpu-bench: {len(records)} rows in {time.perf_counter() - start:.0f} s", flush=True))
     argv_used = sys.argv[1:] if argv is None else list(argv)
     written = True
     if args.json:
         try:
             write_json(args.json, records, machine, argv_used, interrupted)
-            print(f"\nwrote {len(records)} records to {args.json}")
+            _print(lambda: print(f"\nwrote {len(records)} records to {args.json}"))
         except OSError as e:
             print(f"fa2cpu-bench: cannot write {args.json}: {e}", file=sys.stderr)
             written = False
     if args.plot and records:
         try:
             write_plot(args.plot, records, machine)
-            print(f"wrote plot to {args.plot}")
+            _print(lambda: print(f"wrote plot to {args.plot}"))
         except (PlotError, OSError) as e:
             print(f"fa2cpu-bench: no plot: {e}", file=sys.stderr)
             written = False

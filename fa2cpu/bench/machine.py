@@ -98,6 +98,16 @@ def available_memory() -> int | None:
     return None
 
 
+def _installed_version(package: str) -> str | None:
+    """An installed distribution's version without importing it (torch's import takes seconds when
+    it is not a baseline); None if absent."""
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def machine_info(torch) -> dict:
     """The machine header written once per JSON file (and printed above the tables)."""
     cpu = _cpuinfo()
@@ -116,7 +126,7 @@ def machine_info(torch) -> dict:
         "platform": platform.platform(),
         "versions": {"fa2cpu": fa2cpu.__version__, "numpy": np.__version__,
                      "ml_dtypes": ml_dtypes.__version__,
-                     "torch": torch.__version__ if torch is not None else None},
+                     "torch": torch.__version__ if torch is not None else _installed_version("torch")},
         "busy_cpus_before": busy_cpus(),
         "peaks": [],
         "read_bandwidth": [],

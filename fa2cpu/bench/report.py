@@ -90,8 +90,9 @@ def format_header(machine: dict, sweep: Sweep, dtypes: list[str], plan: list[str
         lines.append(f"WARNING:  other processes kept {busy:.1f} of {machine['logical_cpus']} CPUs busy "
                      "just before this run: timings will be noisy")
     lines += [f"{'Sweep:' if i == 0 else '':10s}{line}" for i, line in enumerate(plan)]
-    lines.append(f"Timing:   median of {sweep.repeat} samples after {sweep.warmup} warm-up call(s) "
-                 f"(at least 50 ms of them), [min..max]; inputs uniform, seed {sweep.seed}")
+    warm = (f"after {sweep.warmup} warm-up call(s) (at least 50 ms of them)" if sweep.warmup
+            else "without warm-up calls")
+    lines.append(f"Timing:   median of {sweep.repeat} samples {warm}, [min..max]; inputs uniform, seed {sweep.seed}")
     return "\n".join(lines)
 
 
@@ -280,6 +281,12 @@ def _log2_axis(ax, ticks: list[int]) -> None:
     ax.minorticks_off()
 
 
+def _series(r: Record) -> str:
+    """A plotted line: the implementation, and a quantized cache's dtype (decode measures it beside
+    the --dtype cache, at the same x values)."""
+    return f"{r.label}, {r.case.kv_dtype} cache" if r.case.kv_dtype else r.label
+
+
 def write_plot(path: str, records: list[Record], machine: dict) -> None:
     """GFLOP/s (decode: GB/s) against sequence length per implementation at the largest thread
     count, one panel per (mode, dtype, causal); a second row of panels with thread scaling (largest
@@ -306,9 +313,9 @@ def write_plot(path: str, records: list[Record], machine: dict) -> None:
         title = f"{mode} {dtype}{' causal' if causal else ''}, {rows[0].case.label().split(' N=')[0]}"
         ax = axes[gi // ncols][gi % ncols]
         ax.set_visible(True)
-        for label in dict.fromkeys(r.label for r in rows):
+        for label in dict.fromkeys(_series(r) for r in rows):
             pts = sorted((r.case.x_value, rate(r)) for r in rows
-                         if r.label == label and r.threads == thread_counts[-1])
+                         if _series(r) == label and r.threads == thread_counts[-1])
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=label, linestyle=_line_style(label))
         _log2_axis(ax, sorted({r.case.x_value for r in rows}))
@@ -321,9 +328,9 @@ def write_plot(path: str, records: list[Record], machine: dict) -> None:
             ax = axes[block + gi // ncols][gi % ncols]
             ax.set_visible(True)
             longest = max(r.case.x_value for r in rows)
-            for label in dict.fromkeys(r.label for r in rows):
+            for label in dict.fromkeys(_series(r) for r in rows):
                 pts = sorted((r.threads, rate(r)) for r in rows
-                             if r.label == label and r.case.x_value == longest)
+                             if _series(r) == label and r.case.x_value == longest)
                 ax.plot(*zip(*pts), marker="o", label=label, linestyle=_line_style(label))
             _log2_axis(ax, thread_counts)
             ax.set_xlabel("threads")
