@@ -106,19 +106,17 @@ def _not_an_array(name, x):
 
 def _data(name, x):
     """q, k, v, caches, out, dout: ndarrays only (no silent conversion of lists or tensors)."""
-    if type(x) is np.ndarray:
-        return x
-    if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray):
+    if type(x) is np.ndarray or (isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray)):
         return x
     raise _not_an_array(name, x)
 
 
 def _array(name, x):
     """Small arguments (masks, slopes, index arrays): ndarrays or anything np.asarray accepts."""
-    if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray):
-        return x
-    if isinstance(x, np.ma.MaskedArray):
+    if isinstance(x, np.ma.MaskedArray):  # its mask would be ignored
         raise _not_an_array(name, x)
+    if isinstance(x, np.ndarray):
+        return x
     if x is None:
         raise TypeError(f"{name}: expected a NumPy array, got None")
     if type(x).__module__.split(".")[0] == "torch":
