@@ -390,3 +390,11 @@ def test_output_closed_early_still_writes_the_json(tmp_path):
                           shell=True, capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
     assert "Traceback" not in proc.stderr, proc.stderr
     assert json.loads(path.read_text())["records"]
+
+
+def test_interrupt_before_the_sweep_exits_130_without_a_traceback(capsys, monkeypatch):
+    def interrupted(torch):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench.cli, "machine_info", interrupted)   # Ctrl-C during the probes
+    code, _, err = run_main(capsys, "--baselines", "none")
+    assert code == 130 and "interrupted" in err

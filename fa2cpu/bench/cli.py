@@ -278,6 +278,16 @@ def _print(write) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command: exit status 0, 1 (a failed check or error row, or output not written), 2 (bad
+    arguments), 130 (interrupted; during the sweep with the partial results)."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # before the sweep (torch's import, the probes) or after it
+        print("fa2cpu-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     start = time.perf_counter()
     args = parse_args(argv)
     torch = peers.import_torch() if "torch" in args.baselines else None
