@@ -173,16 +173,24 @@ def _append_target(name, a):
     would overwrite each other's rows)."""
     if not a.flags.writeable:
         raise ValueError(f"{name}: array is read-only but k/v are to be appended")
+    axis = _zero_stride_axis(a)
+    if axis is not None:
+        raise ValueError(f"{name}: axis {axis} has stride 0 (a broadcast or expanded view): appended rows would "
+                         f"overwrite each other")
+
+
+def _zero_stride_axis(a):
+    """The first axis longer than 1 with stride 0 (elements sharing an address), or None."""
     for axis, (n, st) in enumerate(zip(a.shape, a.strides)):
         if st == 0 and n > 1:
-            raise ValueError(f"{name}: axis {axis} has stride 0 (a broadcast or expanded view): appended rows would "
-                             f"overwrite each other")
+            return axis
+    return None
 
 
 def _distinct_targets(k_name, k, v_name, v):
-    """The k and v arrays an append writes must not be the same memory (v would overwrite k)."""
-    if k.size and k.__array_interface__["data"][0] == v.__array_interface__["data"][0]:
-        raise ValueError(f"{v_name}: the same memory as {k_name}; the append would write v over k")
+    """The k and v arrays an append writes must not share memory (v would overwrite k)."""
+    if k.size and v.size and _overlaps(k, v):
+        raise ValueError(f"{v_name}: the same memory as {k_name} (or part of it); the append would write v over k")
 
 
 def _fix_strides(a):
@@ -225,14 +233,11 @@ def _f32_real(name, x, what="a float"):
 
 
 def _bool(name, x):
+    if type(x) is bool:  # the common case first (a decode call's return_lse)
+        return x
     if not isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(x).__name__}")
     return bool(x)
-
-
-def _flag(name, x):
-    """_bool with the common case (a Python bool) first: a decode call's return_lse."""
-    return x if type(x) is bool else _bool(name, x)
 
 
 def _window_pair(window):
@@ -432,8 +437,7 @@ def _out(out, shape, dtype, inputs):
         raise ValueError("out: array is read-only")
     if not out.flags.aligned:  # data pointer and strides multiples of the item's alignment
         raise ValueError("out: data pointer and strides must be aligned to the item size")
-    if out.size and not out.flags.c_contiguous and any(
-            stride == 0 and n > 1 for stride, n in zip(out.strides, out.shape)):
+    if out.size and not out.flags.c_contiguous and _zero_stride_axis(out) is not None:
         raise ValueError("out: must not have zero (broadcast) strides")
     if out.size:
         for name, a in inputs.items():

@@ -4,7 +4,7 @@ enum are in fa2cpu/_checks.py (_DTYPES)."""
 import numpy as np
 
 from . import _core
-from ._checks import _CODES, _flag, _sinks
+from ._checks import _CODES, _bool, _sinks
 from ._validate import attention_problem, kvcache_problem, kvcache_problem_lean, varlen_problem
 
 __all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
@@ -80,7 +80,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     -------
     out, or ``(out, lse)`` when ``return_lse``.
     """
-    return_lse = _flag("return_lse", return_lse)
+    return_lse = _bool("return_lse", return_lse)
     problem, out = attention_problem(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout,
                                      num_threads, out)
     problem = _with_sinks(problem, sinks)
@@ -109,7 +109,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     Other arguments (``sinks`` included) as in :func:`flash_attention`. Returns
     ``out (total_q, Hq, Dv)`` or ``(out, lse)`` with lse float32 ``(Hq, total_q)``.
     """
-    return_lse = _flag("return_lse", return_lse)
+    return_lse = _bool("return_lse", return_lse)
     problem, out = varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   scale, window, softcap, alibi_slopes, num_threads, out)
     problem = _with_sinks(problem, sinks)
@@ -160,7 +160,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     into a float8 cache without scales they are converted directly (round to nearest, saturating at
     +-448). Codes are dequantized in registers inside the kernels; no float copy of the cache is made.
     """
-    return_lse = _flag("return_lse", return_lse)
+    return_lse = _bool("return_lse", return_lse)
     out, lse = _with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window,
                              softcap, alibi_slopes, return_lse, num_splits, num_threads, out, layout, sinks,
                              k_scale, v_scale)

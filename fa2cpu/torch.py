@@ -39,7 +39,7 @@ import torch
 from ._torch_bridge import (_CACHE_VIEWS, _FLOATS, _check_tensors, _direct, _float_arg, _int_arg,  # noqa: F401
                             _no_grad_out, _np, _tensor, _use_torch_threads, _window_arg)
 from ._torch_ops import _fa_impl, _kvcache_impl, _kvcache_step, _varlen_impl  # importing it defines torch.ops.fa2cpu
-from ._checks import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _flag, _int, _Options, _threads
+from ._checks import MAX_HEAD_DIM as _MAX_HEAD_DIM, _bool, _int, _Options, _threads
 from ._torch_bridge import _CODES, _PLAIN
 from . import _core
 
@@ -82,7 +82,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     Returns ``out`` (q's shape with last dim Dv), or ``(out, lse)`` with lse float32 ``(B, Hq, Nq)``
     (``(Hq, Nq)`` / ``(Nq,)`` for 3-D / 2-D inputs).
     """
-    return_lse = _flag("return_lse", return_lse)
+    return_lse = _bool("return_lse", return_lse)
     if alibi_slopes is None and mask is None and out is None and sinks is None and not return_lse:
         o = _lean_flash_attention(q, k, v, causal, scale, window, softcap, layout, num_threads)
         if o is not None:
@@ -177,7 +177,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=
     (per-sequence FlashAttention-2 backward). Returns ``out (total_q, Hq, Dv)`` or ``(out, lse)`` with lse float32
     ``(Hq, total_q)``.
     """
-    return_lse = _flag("return_lse", return_lse)
+    return_lse = _bool("return_lse", return_lse)
     if _direct(q, k, v) and not _sinks_need_grad(sinks):
         o, lse = _varlen_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               causal, scale, window, softcap, alibi_slopes, num_threads,
@@ -228,7 +228,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     caches) go through the NumPy API's checks, append and launch. Returns ``out`` or
     ``(out, lse)`` with lse float32 ``(B, Hq, Nq)``.
     """
-    return_lse = _flag("return_lse", return_lse)
+    return_lse = _bool("return_lse", return_lse)
     if (k is not None and type(cache_seqlens) is int and type(causal) is bool and layout == "bshd"
             and block_table is None and out is None and not return_lse and alibi_slopes is None and sinks is None
             and k_scale is None and v_scale is None and type(num_splits) is int and num_splits == 0 and type(window) is tuple

@@ -709,3 +709,14 @@ def test_import_failure_of_a_built_checkout_keeps_its_own_message(tmp_path):
                           timeout=60, cwd=src)
     assert proc.returncode != 0
     assert "not built" not in proc.stderr and "numpy" in proc.stderr, proc.stderr
+
+
+def test_append_targets_overlapping_in_part_are_refused_interleaved_ones_accepted():
+    q, kn, vn = (np.ones((2, 1, 1, 8), np.float32) for _ in range(3))
+    base = np.zeros((2, 5, 1, 8), np.float32)
+    with pytest.raises(ValueError, match=arg("v_cache") + ": the same memory as k_cache"):
+        fa2cpu.flash_attention_with_kvcache(q, base[:, 0:4], base[:, 1:5], kn, vn, cache_seqlens=0)
+    assert not base.any()
+    kv = np.zeros((2, 4, 2, 8), np.float32)  # (B, N, k / v, D): disjoint, interleaved
+    fa2cpu.flash_attention_with_kvcache(q, kv[:, :, 0:1], kv[:, :, 1:2], kn, vn + 1, cache_seqlens=0)
+    assert (kv[:, 0, 0] == 1).all() and (kv[:, 0, 1] == 2).all()
