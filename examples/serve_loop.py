@@ -536,7 +536,8 @@ class Engine:
 def make_requests(rng, n, *, min_prompt, max_prompt, max_new_tokens, arrival_rate, vocab):
     """n requests with random prompts; arrivals a Poisson process of ``arrival_rate`` per step."""
     gaps = rng.exponential(1.0 / arrival_rate, size=n) if arrival_rate > 0 else np.zeros(n)
-    arrivals = np.floor(np.cumsum(gaps) - gaps[0]).astype(int) if n else []
+    # Steps past 2^62 (a rate near 0) are clipped: int64 holds them, and the idle engine jumps there.
+    arrivals = np.minimum(np.floor(np.cumsum(np.r_[0.0, gaps[1:]])), 2.0 ** 62).astype(np.int64) if n else []
     out = []
     for i in range(n):
         plen = int(rng.integers(min_prompt, max_prompt + 1))

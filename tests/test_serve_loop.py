@@ -180,3 +180,18 @@ def test_short_and_long_dtype_names(serve_loop):
     for short, long in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
         assert serve_loop.parse_args(["--dtype", short]).dtype == short
         assert serve_loop.parse_args(["--dtype", long]).dtype == short
+
+
+@pytest.mark.parametrize("rate", [1e-300, 5e-324])
+def test_arrival_rate_near_zero(serve_loop, rate):
+    """A rate near 0 spaces arrivals beyond int64 (gaps of 1e300, or inf): steps are clipped to
+    2^62 with no cast warning, the first request arrives at step 0, and the engine still serves
+    every request (it jumps to the next arrival when idle)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reqs = serve_loop.make_requests(np.random.default_rng(0), 4, min_prompt=2, max_prompt=5,
+                                        max_new_tokens=3, arrival_rate=rate, vocab=50)
+        assert [r.arrival_step for r in reqs] == [0] + [2 ** 62] * 3
+        s, _ = _run(serve_loop, TINY + ["--arrival-rate", str(rate)])
+    _assert_clean_finish(s, 6)
