@@ -30,3 +30,6 @@ for round in 1 2; do
   python3 $HERE/multi.py 16 32 4096 1 7 $P
   python3 $HERE/multi.py 16 32 2048 0 9 $P
 done 2>&1 | tee $OUT/ab.log
+# the fully blocked build against torch SDPA (issue 12's ratios and % of the tile probe), if time is left
+(cd /tmp/v_pos && timeout 150 python3 $ROOT/bench/vs_torch.py --threads 16 --cases prefill --reps 3 > $OUT/vs_torch_pos.log 2>&1)
+tail -12 $OUT/vs_torch_pos.log
