@@ -504,3 +504,43 @@ def test_zero_q_lse_counts_visible_keys(isa, rng, dtype, Nq, Nk):
         r_out, r_lse = ref.attention_ref(q, k, v, **kw)
         np.testing.assert_allclose(lse.astype(np.float64), r_lse, err_msg=f"lse {list(kw)}", **TOL_ZERO_Q_LSE)
         check_close(out, r_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_output_rounding_is_nearest_even(isa, rng, dtype, layout):
+    """Every output element is rounded once, to nearest even, like NumPy / ml_dtypes. With q = 0
+    and two keys each row is exactly (v0 + v1) / 2 in float32 (both are bf16 / fp16 values of
+    nearby exponents: the sum is exact), a value with one bit more than the dtype holds, so about
+    half of the outputs are ties; also a NaN, an inf, and for fp16 a subnormal result and ties at
+    the largest finite values. Output rows of 1..40 features (vector bodies and tails) of 1..33 rows."""
+    npd = NP_DTYPES[dtype]
+    for D in (1, 7, 8, 9, 16, 23, 40):
+        for nq in (1, 5, 33):
+            bits = 7 if dtype == "bfloat16" else 10          # explicit mantissa bits
+            mant = rng.integers(0, 2 ** bits, size=(2, D))
+            sign = np.where(rng.random((2, D)) < 0.3, -1.0, 1.0)
+            ex = rng.integers(-3, 4, size=(1, D))            # one exponent per feature (exact sums)
+            v64 = sign * (1 + mant / 2.0 ** bits) * 2.0 ** ex
+            if D >= 8:
+                v64[:, 3] = [np.nan, 1.0]
+                v64[:, 4] = [np.inf, -2.0]
+            if dtype == "float16" and D >= 8:
+                v64[:, 0] = [2.0 ** -20, 3 * 2.0 ** -24]     # subnormal result
+                v64[:, 1] = [65504.0, 65504.0 - 32]          # 65488: a tie, to 65472 (even)
+                v64[:, 2] = [-65504.0, -65504.0]             # the largest finite value
+            v = v64.astype(npd)
+            assert np.array_equal(v.astype(np.float64), v64, equal_nan=True), "inputs must be exact"
+            k = np.zeros((1, 1, 2, D), npd)
+            q = np.zeros((1, 1, nq, D), npd)
+            vv = np.broadcast_to(v[None, None], (1, 1, 2, D))
+            if layout == "bshd":
+                q, k, vv = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, vv))
+            out = np.asarray(fa2cpu.flash_attention(q, k, vv, layout=layout))
+            if layout == "bshd":
+                out = out.transpose(0, 2, 1, 3)
+            want = ((v64[0] + v64[1]) / 2).astype(npd)     # float64 exact mean, rounded once
+            got = out[0, 0]
+            assert np.array_equal(np.isnan(got.astype(np.float32)), np.broadcast_to(np.isnan(want.astype(np.float32)), got.shape))
+            fin = ~np.isnan(want.astype(np.float32))
+            assert np.array_equal(got[:, fin].view(np.uint16), np.broadcast_to(want[fin].view(np.uint16), (nq, fin.sum()))), (D, nq)

@@ -67,8 +67,38 @@ struct V256 {
         }
         if (j < n) load_row_scalar(dst + j, s + j, n - j, 1, dt);
     }
+    // n floats from src to elements idx, idx + stride, ... of base (dtype dt): kernel.h's
+    // store_row, 8 at a time for contiguous bf16 / fp16 with the same bits (round to nearest
+    // even; a NaN becomes the scalar conversions' quiet NaN: bf16 (u >> 16) | 0x40, fp16
+    // sign | 0x7e00); the last n % 8 by the scalar code. Scalar, these stores were ~40 % of a
+    // bf16 call of 16 rows and keys per head on Zen 1 (bench/RESULTS.md, session 45).
     static void store_row(void* base, int64_t idx, int64_t stride, const float* src, int64_t n, DType dt) {
-        fa2cpu::store_row(base, idx, stride, src, n, dt);
+        if (stride != 1 || dt == DType::f32) { fa2cpu::store_row(base, idx, stride, src, n, dt); return; }
+        uint16_t* d = static_cast<uint16_t*>(base) + idx;
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 x = _mm256_loadu_ps(src + j);
+            const __m256i u = _mm256_castps_si256(x);
+            const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+            const __m256i hi = _mm256_srli_epi32(u, 16);
+            __m128i h;
+            if (dt == DType::bf16) {
+                const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+                const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+                const __m256i w = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+                // 8 dwords < 2^16 -> 8 words (packus works per 128-bit lane: words 0-3 and 4-7 of
+                // the result are dwords 0-3 and 4-7, taken from its 64-bit quarters 0 and 2)
+                h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08));
+            } else {
+                const __m128i c = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                const __m256i q = _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7e00));
+                const __m128i q16 = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(q, q), 0x08));
+                const __m128i m16 = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi32(nan, nan), 0x08));
+                h = _mm_blendv_epi8(c, q16, m16);
+            }
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(d + j), h);
+        }
+        if (j < n) fa2cpu::store_row(base, idx + j, 1, src + j, n - j, dt);
     }
     // dst[i * ldd + j] = src[j * lds + i] for i, j < 16 (policy.h transpose16: the forward's Q
     // packing and output rows, the backward's panel <-> row copies), as four 8 x 8 transposes in
