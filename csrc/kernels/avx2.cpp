@@ -81,21 +81,16 @@ struct V256 {
             const __m256i u = _mm256_castps_si256(x);
             const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
             const __m256i hi = _mm256_srli_epi32(u, 16);
-            __m128i h;
+            __m256i w;  // the 8 results as dwords < 2^16
             if (dt == DType::bf16) {
                 const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
                 const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-                const __m256i w = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-                // 8 dwords < 2^16 -> 8 words (packus works per 128-bit lane: words 0-3 and 4-7 of
-                // the result are dwords 0-3 and 4-7, taken from its 64-bit quarters 0 and 2)
-                h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08));
+                w = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
             } else {
-                const __m128i c = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                const __m256i q = _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7e00));
-                const __m128i q16 = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(q, q), 0x08));
-                const __m128i m16 = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packs_epi32(nan, nan), 0x08));
-                h = _mm_blendv_epi8(c, q16, m16);
+                const __m256i c = _mm256_cvtepu16_epi32(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                w = _mm256_blendv_epi8(c, _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7e00)), nan);
             }
+            const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(d + j), h);
         }
         if (j < n) fa2cpu::store_row(base, idx + j, 1, src + j, n - j, dt);
