@@ -35,11 +35,17 @@ namespace {
 // - on the 16-core AMX Xeon, 64 items instead of 16 (H=16 N=2048: 4 splits of 512 keys instead of
 //   the cap's 2) ran bf16 1.015 / 1.061x (full), 1.106 / 1.113x (causal), H=8 1.147x faster at 16
 //   threads, fp32 (3 splits to 4) 0.960 / 0.975x (full), 0.998 / 1.158x (causal) (in-process
-//   A/B, bench/RESULTS.md session 43): whole items of ~10 ms on 16 threads left cores idle.
+//   A/B, bench/RESULTS.md session 43): whole items of ~10 ms on 16 threads left cores idle;
+// - kItemsPerCpu (FA2CPU_BWD_ITEMS_PER_CPU) 2, 3, 6, 8 against 4, same machine, 16 threads, in
+//   process (session 46): H=16 N=2048 fp32 0.94-0.99x (full), 0.96-0.98x (causal), bf16
+//   0.87-0.98x / 0.81-0.96x; only fp32 H=32 N=4096 full read 1.025x at 6 (0.98-1.01x otherwise).
 #ifndef FA2CPU_BWD_TARGET_ITEMS
 #define FA2CPU_BWD_TARGET_ITEMS 16
 #endif
-constexpr int64_t kItemsPerCpu = 4;
+#ifndef FA2CPU_BWD_ITEMS_PER_CPU
+#define FA2CPU_BWD_ITEMS_PER_CPU 4
+#endif
+constexpr int64_t kItemsPerCpu = FA2CPU_BWD_ITEMS_PER_CPU;
 constexpr int64_t kMaxSplits = 8;
 int64_t machine_cpus() {
     static const int64_t cpus = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));

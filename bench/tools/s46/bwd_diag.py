@@ -4,13 +4,15 @@ backward writing into pre-faulted outputs (fa2cpu._core.run_backward, as
 bench/tools/backward_phases.py calls it): the difference is the page faults of fresh dq / dk / dv;
 the H sweep changes the items per thread (the plan splits each kv head into the same key ranges
 for every H >= 16 here), which shows load imbalance of the last round of items.
-    python3 bench/tools/s46/bwd_diag.py THREADS DTYPE H...
+    python3 bench/tools/s46/bwd_diag.py THREADS DTYPE H...   (-THREADS: the pre-faulted backward first)
 """
 import sys, time, statistics
 import numpy as np, ml_dtypes
 import fa2cpu, fa2cpu._core as _core, fa2cpu.backward as fb
 
 T, name = int(sys.argv[1]), sys.argv[2]
+SWAP = T < 0  # a negative thread count: the two backwards in the other order (see the loop)
+T = abs(T)
 dt = {'fp32': np.float32, 'bf16': ml_dtypes.bfloat16}[name]
 N, D = 2048, 128
 for H in (int(x) for x in sys.argv[3:]):
@@ -24,6 +26,13 @@ for H in (int(x) for x in sys.argv[3:]):
                            num_threads=T)
     tf, tb, tk = [], [], []
     for _ in range(7):
+        if SWAP:  # the pre-faulted backward first, right after the forward
+            t0 = time.perf_counter(); fa2cpu.flash_attention(q, k, v, num_threads=T)
+            t1 = time.perf_counter(); kept()
+            t2 = time.perf_counter(); fa2cpu.flash_attention_backward(do, q, k, v, out, lse, num_threads=T)
+            t3 = time.perf_counter()
+            tf.append(t1 - t0); tk.append(t2 - t1); tb.append(t3 - t2)
+            continue
         t0 = time.perf_counter(); fa2cpu.flash_attention(q, k, v, num_threads=T)
         t1 = time.perf_counter(); fa2cpu.flash_attention_backward(do, q, k, v, out, lse, num_threads=T)
         t2 = time.perf_counter(); kept(); t3 = time.perf_counter()
