@@ -24,6 +24,16 @@ def _match(name, a, shape, dtype, what):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {a.shape}")
 
 
+def _gradients(q, k, v):
+    """New dq, dk, dv (shapes of q, k, v, q's dtype) for ``_core.run_backward`` to fill. Left
+    uninitialised: the core writes every element (zeros for dq rows that see no key, whole-head
+    rows of a sequence without keys and dK / dV of keys no row sees: backward_loop.h's
+    zero_dq_outside and dK / dV rows, backward.cpp's reduce_group), so np.zeros only added a
+    one-thread memset of memory the allocator hands back (bench/RESULTS.md, session 47).
+    tests/test_backward.py fills these with NaN to check that nothing is left unwritten."""
+    return np.empty(q.shape, q.dtype), np.empty(k.shape, q.dtype), np.empty(v.shape, q.dtype)
+
+
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
                              window=(-1, -1), softcap=None, alibi_slopes=None,
                              layout="bhsd", num_threads=None, sinks=None):
@@ -89,7 +99,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     sinks = _sinks(sinks, Hq)
     threads = _threads(num_threads)
 
-    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+    dq, dk, dv = _gradients(q, k, v)
     if layout == "bshd":
         do4, o4, dq4, dk4, dv4 = (a.transpose(0, 2, 1, 3) for a in (dout, out, dq, dk, dv))
     else:
@@ -132,7 +142,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     sinks = _sinks(sinks, Hq)
     threads = _threads(num_threads)
     _qkv(q[None], k[None], v[None], "bshd")  # heads, rows and head dims: flash_attention_backward's checks
-    dq, dk, dv = np.zeros(q.shape, q.dtype), np.zeros(k.shape, q.dtype), np.zeros(v.shape, q.dtype)
+    dq, dk, dv = _gradients(q, k, v)
 
     def one_batch(a):  # (total, H, D) -> (1, H, total, D)
         return a.transpose(1, 0, 2)[None]

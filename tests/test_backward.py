@@ -328,6 +328,33 @@ def test_rows_without_keys_contribute_nothing(rng):
     assert dq.shape == (1, 2, 0, 8) and np.all(dk == 0) and np.all(dv == 0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_gradient_element_is_written(isa, rng, dtype, monkeypatch):
+    """The gradients start uninitialised (backward.py _gradients): here they start as NaN, so an
+    element the core leaves unwritten shows. Rows that see no key, sequences without keys or
+    queries, split kv heads (one kv head, long causal window: several key ranges whose dq
+    partials the driver sums), GQA in bshd and varlen with empty sequences, on every family."""
+    def nan_filled(q, k, v):
+        return tuple(np.full(x.shape, np.nan, q.dtype) for x in (q, k, v))
+    monkeypatch.setattr(bw, "_gradients", nan_filled)
+    _run(rng, 1, 2, 1, 12, 4, 8, dtype=dtype, causal=True)            # the first 8 rows see nothing
+    _run(rng, 1, 2, 2, 30, 10, 8, dtype=dtype, window=(0, 3))         # window rows with nothing
+    _run(rng, 1, 4, 1, 70, 700, 32, 16, dtype=dtype, causal=True, window=(150, 0))  # split kv head
+    _run(rng, 2, 6, 2, 33, 47, 24, 40, dtype=dtype, layout="bshd", causal=True)
+    for nq, nk in ((5, 0), (0, 6)):
+        dout, q, k, v = _inputs(rng, 1, 2, 1, nq, nk, 8, 3, dtype)
+        out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
+        for g in fa2cpu.flash_attention_backward(dout, q, k, v, out, lse):
+            assert np.all(g.astype(np.float32) == 0)
+    lq, lk = [3, 0, 17, 1, 9], [5, 4, 17, 0, 30]
+    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
+    q, k, v = rand(rng, (cq[-1], 4, 16), dtype), rand(rng, (ck[-1], 2, 16), dtype), rand(rng, (ck[-1], 2, 8), dtype)
+    out, lse = fa2cpu.flash_attention_varlen(q, k, v, cq, ck, return_lse=True, causal=True)
+    grads = fa2cpu.flash_attention_varlen_backward(rand(rng, out.shape, dtype), q, k, v, out, lse, cq, ck, causal=True)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert not np.isnan(g.astype(np.float32)).any(), f"{name}: an element left unwritten"
+
+
 def test_nan_stays_in_affected_rows(rng):
     """NaN in q row 3 of head 0 (causal): dq of the other rows and heads, dv of the keys row 3
     cannot see and everything of the other kv head / batch entry stay finite. (dk of keys in
