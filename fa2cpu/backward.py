@@ -26,12 +26,18 @@ def _match(name, a, shape, dtype, what):
 
 def _gradients(q, k, v):
     """New dq, dk, dv (shapes of q, k, v, q's dtype) for ``_core.run_backward`` to fill. Left
-    uninitialised: the core writes every element (zeros for dq rows that see no key, whole-head
-    rows of a sequence without keys and dK / dV of keys no row sees: backward_loop.h's
-    zero_dq_outside and dK / dV rows, backward.cpp's reduce_group), so np.zeros only added a
-    one-thread memset of memory the allocator hands back (bench/RESULTS.md, session 47).
-    tests/test_backward.py fills these with NaN to check that nothing is left unwritten."""
-    return np.empty(q.shape, q.dtype), np.empty(k.shape, q.dtype), np.empty(v.shape, q.dtype)
+    uninitialised (``_uninitialised``): the core writes every element (zeros for dq rows that
+    see no key, whole-head rows of a sequence without keys and dK / dV of keys no row sees:
+    backward_loop.h's zero_dq_outside and dK / dV rows, backward.cpp's reduce_group), so
+    np.zeros only added a one-thread memset of memory the allocator hands back (bench/RESULTS.md,
+    session 47). Without query rows (Hq = 0 or Nq = 0) the gradients are zeros: the core returns
+    at once when there are no query heads. tests/test_backward.py fills the arrays with NaN to
+    check that nothing is left unwritten."""
+    new = np.zeros if q.size == 0 else _uninitialised
+    return new(q.shape, q.dtype), new(k.shape, q.dtype), new(v.shape, q.dtype)
+
+
+_uninitialised = np.empty
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,

@@ -288,6 +288,28 @@ def test_strides_do_not_matter(rng):
     _check(got, dout, q, k1, v1, **kw)
 
 
+def test_bf16_rows_taken_as_they_are_match_strided_rows(isa, rng):
+    """Contiguous bf16 rows reach the amx family's operands as they are (backward_loop.h
+    pack_row_raw / pack_key_raw); rows with a feature stride go through float32 rows. Same bits
+    either way, with bf16 denormals in every input (read as zero by the tile products), head dims
+    that are not whole tiles and keys that are not whole 16-key blocks, on every family."""
+    for B, Hq, Hk, Nq, Nk, D, Dv, causal in ((2, 4, 2, 37, 53, 40, 24, True), (1, 2, 1, 70, 300, 128, 72, False)):
+        dout, q, k, v = _inputs(rng, B, Hq, Hk, Nq, Nk, D, Dv, "bfloat16")
+        for x in (dout, q, k, v):
+            x.view(np.uint16).reshape(-1)[::29] = 0x0003  # denormals
+        out, lse = fa2cpu.flash_attention(q, k, v, causal=causal, return_lse=True)
+        base = fa2cpu.flash_attention_backward(dout, q, k, v, out, lse, causal=causal)
+        views = []
+        for x in (dout, q, k, v, out):
+            wide = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
+            wide[..., ::2] = x
+            views.append(wide[..., ::2])
+        got = fa2cpu.flash_attention_backward(*views[:5], lse, causal=causal)
+        for name, a, b in zip(("dq", "dk", "dv"), got, base):
+            assert a.tobytes() == b.tobytes(), f"{name}: strided rows changed the bits"
+        _check(base, dout, q, k, v, causal=causal)
+
+
 def test_inputs_untouched_and_fresh_outputs(rng):
     dout, q, k, v = _inputs(rng, 1, 2, 1, 12, 9, 8)
     out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
@@ -332,17 +354,15 @@ def test_rows_without_keys_contribute_nothing(rng):
 def test_every_gradient_element_is_written(isa, rng, dtype, monkeypatch):
     """The gradients start uninitialised (backward.py _gradients): here they start as NaN, so an
     element the core leaves unwritten shows. Rows that see no key, sequences without keys or
-    queries, split kv heads (one kv head, long causal window: several key ranges whose dq
+    queries, no query heads, split kv heads (one kv head, long causal window: several key ranges whose dq
     partials the driver sums), GQA in bshd and varlen with empty sequences, on every family."""
-    def nan_filled(q, k, v):
-        return tuple(np.full(x.shape, np.nan, q.dtype) for x in (q, k, v))
-    monkeypatch.setattr(bw, "_gradients", nan_filled)
+    monkeypatch.setattr(bw, "_uninitialised", lambda shape, dtype: np.full(shape, np.nan, dtype))
     _run(rng, 1, 2, 1, 12, 4, 8, dtype=dtype, causal=True)            # the first 8 rows see nothing
     _run(rng, 1, 2, 2, 30, 10, 8, dtype=dtype, window=(0, 3))         # window rows with nothing
     _run(rng, 1, 4, 1, 70, 700, 32, 16, dtype=dtype, causal=True, window=(150, 0))  # split kv head
     _run(rng, 2, 6, 2, 33, 47, 24, 40, dtype=dtype, layout="bshd", causal=True)
-    for nq, nk in ((5, 0), (0, 6)):
-        dout, q, k, v = _inputs(rng, 1, 2, 1, nq, nk, 8, 3, dtype)
+    for hq, nq, nk in ((2, 5, 0), (2, 0, 6), (0, 4, 6)):  # no keys; no query rows; no query heads
+        dout, q, k, v = _inputs(rng, 1, hq, 1, nq, nk, 8, 3, dtype)
         out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
         for g in fa2cpu.flash_attention_backward(dout, q, k, v, out, lse):
             assert np.all(g.astype(np.float32) == 0)

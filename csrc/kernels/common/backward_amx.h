@@ -149,18 +149,76 @@ struct AmxProducts {
     }
     static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
 
+    // Key c's K and V rows, bf16 (BackwardLoop: pack_key from float32 rows, or, for contiguous
+    // bf16 rows, pack_key_raw from the input itself); finish_keys then builds K^T from the rows.
     static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
-        if (c == 0) {  // the padding: rows past the keys, K^T columns past them and rows past D
-            std::memset(x.kr + x.keys * x.ldq, 0, size_t(kKeyPad * x.ldq) * 2);
-            std::memset(x.vr + x.keys * x.ldo, 0, size_t(kKeyPad * x.ldo) * 2);
-            for (int64_t d = 0; d < x.ldq; ++d)
-                for (int64_t e = d < D ? x.keys : 0; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;
-        }
+        if (c == 0) pad_keys(x);
         // k, v hold bf16 values (this policy runs bf16 inputs only): the conversions are exact.
-        uint16_t* kr = x.kr + c * x.ldq;
-        to_bf16(kr, x.ldq, k, D);
+        to_bf16(x.kr + c * x.ldq, x.ldq, k, D);
         to_bf16(x.vr + c * x.ldo, x.ldo, v, Dv);
-        for (int64_t d = 0; d < D; ++d) x.kT[d * x.ldkt + c] = kr[d];
+    }
+    static void pack_key_raw(Bufs& x, int64_t c, const uint16_t* k, const uint16_t* v, int64_t D, int64_t Dv) {
+        if (c == 0) pad_keys(x);
+        copy_bf16(x.kr + c * x.ldq, x.ldq, k, D);
+        copy_bf16(x.vr + c * x.ldo, x.ldo, v, Dv);
+    }
+    // The padding: K / V rows past the keys, K^T columns past them (its rows past D come from
+    // the K rows' zero features).
+    static void pad_keys(Bufs& x) {
+        std::memset(x.kr + x.keys * x.ldq, 0, size_t(kKeyPad * x.ldq) * 2);
+        std::memset(x.vr + x.keys * x.ldo, 0, size_t(kKeyPad * x.ldo) * 2);
+        for (int64_t d = 0; d < x.ldq; ++d)
+            std::memset(x.kT + d * x.ldkt + x.keys, 0, size_t(x.ldkt - x.keys) * 2);
+    }
+    // K^T [ldq][ldkt] from the K rows, 16 keys x 32 features at a time: a 16 x 16 transpose of
+    // feature pairs, then each pair split into its two features' rows; the last keys % 16 keys
+    // one by one. (Written element by element per key, K^T cost ~1.4 % of a 2-thread backward.)
+    static void finish_keys(Bufs& x) {
+        const int64_t ld2 = x.ldq / 2;
+        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(x.kr);
+        int64_t c0 = 0;
+        for (; c0 + 16 <= x.keys; c0 += 16)
+            for (int64_t t0 = 0; t0 < ld2; t0 += 16) {
+                __m512i r[16];
+                for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k32 + (c0 + i) * ld2 + t0);
+                transpose16x16_epi32(r);  // r[i]: the feature pair t0 + i of keys c0 .. c0 + 15
+                for (int i = 0; i < 16; ++i) {
+                    uint16_t* even = x.kT + 2 * (t0 + i) * x.ldkt + c0;
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even), _mm512_cvtepi32_epi16(r[i]));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + x.ldkt), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[i], 16)));
+                }
+            }
+        for (int64_t c = c0; c < x.keys; ++c)
+            for (int64_t d = 0; d < x.ldq; ++d) x.kT[d * x.ldkt + c] = x.kr[c * x.ldq + d];
+    }
+    // Row r of the group from contiguous bf16 rows as they are (the float32 round trip of
+    // pack_row gives the same operands: tdpbf16ps reads bf16 denormals as zero either way), and
+    // its D_i = sum_j dO[j] O[j] with BackwardLoop::row_dot's arithmetic on the same float32
+    // values (same bits).
+    static float pack_row_raw(Bufs& x, int64_t r, const uint16_t* q, const uint16_t* dO, const uint16_t* o, int64_t D,
+                              int64_t Dv) {
+        copy_bf16(x.qs + r * x.ldq, x.ldq, q, D);
+        copy_bf16(x.dos + r * x.ldo, x.ldo, dO, Dv);
+        auto widen = [](const uint16_t* h) {
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
+        };
+        __m512 acc = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= Dv; j += 16) acc = _mm512_fmadd_ps(widen(dO + j), widen(o + j), acc);
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, acc);
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += lanes[l];
+        for (; j < Dv; ++j) sum += bf16_to_f32(dO[j]) * bf16_to_f32(o[j]);
+        return sum;
+    }
+    // n bf16 values, then zeros to ld (a multiple of 32).
+    static void copy_bf16(uint16_t* dst, int64_t ld, const uint16_t* src, int64_t n) {
+        for (int64_t j = 0; j < ld; j += 32) {
+            const int64_t left = n - j;
+            const __mmask32 m = left >= 32 ? ~__mmask32(0) : left <= 0 ? __mmask32(0) : (__mmask32(1) << left) - 1;
+            _mm512_storeu_si512(dst + j, _mm512_maskz_loadu_epi16(m, src + j));
+        }
     }
     // Row r of the group into the bf16 staging rows (q / dO null: a padding row of zeros).
     static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {

@@ -276,6 +276,13 @@ struct BackwardLoop {
     template <class X>
     struct HasPairGradients<X, std::void_t<decltype(&X::store_gradient_pair)>> : std::true_type {};
     static constexpr bool kPairGradients = HasPairGradients<P>::value;
+    // Policies with pack_row_raw / pack_key_raw / finish_keys (backward_amx.h) take contiguous
+    // bf16 rows as they are (their operands are bf16), not through float32 rows.
+    template <class X, class = void>
+    struct HasRawBf16 : std::false_type {};
+    template <class X>
+    struct HasRawBf16<X, std::void_t<decltype(&X::pack_row_raw)>> : std::true_type {};
+    static constexpr bool kRawBf16 = HasRawBf16<P>::value;
     static_assert(RB % W == 0 && kGroupRows % RB == 0, "row groups are whole row blocks of whole vectors");
     static_assert(P::kRowAlign % W == 0 && RB % P::kRowAlign == 0, "padded rows stay whole vectors of a block");
 
@@ -339,7 +346,18 @@ struct BackwardLoop {
         const DType dt = DType(p.dtype);
 
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
+        const bool raw = kRawBf16 && dt == DType::bf16;
+        const bool raw_keys = raw && p.k_dim_stride == 1 && p.v_dim_stride == 1;
+        const bool raw_rows = raw && p.q_dim_stride == 1 && bp.dout_dim_stride == 1 && p.out_dim_stride == 1;
+        auto bf16_at = [](const void* base, int64_t off) { return static_cast<const uint16_t*>(base) + off; };
         for (int64_t c = 0; c < nkeys; ++c) {
+            if constexpr (kRawBf16) {
+                if (raw_keys) {
+                    P::pack_key_raw(ops, c, bf16_at(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head),
+                                    bf16_at(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head), D, Dv);
+                    continue;
+                }
+            }
             float krow[kMaxHeadDim], vrow[kMaxHeadDim];
             V::load_row(krow, elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt),
                         D, p.k_dim_stride, dt);
@@ -347,6 +365,7 @@ struct BackwardLoop {
                         Dv, p.v_dim_stride, dt);
             P::pack_key(ops, c, krow, vrow, D, Dv);
         }
+        if constexpr (kRawBf16) P::finish_keys(ops);
         for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldq; ++x) dkall[x] = 0.f;
         for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldo; ++x) dvall[x] = 0.f;
         if (it.part < 0) zero_dq_outside(bp, it);
@@ -366,13 +385,22 @@ struct BackwardLoop {
                 }
                 const int64_t h = it.kv_head * group + (g0 + r) / nqi, i = it.i0 + (g0 + r) % nqi;
                 const int64_t q_at = q_row_offset(p, b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride;
-                V::load_row(qrow, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
                 const int64_t do_at = q_row_offset(p, b, i, bp.dout_batch_stride, bp.dout_row_stride) + h * bp.dout_head_stride;
                 const int64_t o_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
-                V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
-                V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
-                P::pack_row(ops, r, qrow, od, D, Dv);
-                delta[r] = row_dot(od, orow, Dv);
+                bool packed = false;
+                if constexpr (kRawBf16) {
+                    if (raw_rows) {
+                        delta[r] = P::pack_row_raw(ops, r, bf16_at(p.q, q_at), bf16_at(bp.dout, do_at), bf16_at(p.out, o_at), D, Dv);
+                        packed = true;
+                    }
+                }
+                if (!packed) {
+                    V::load_row(qrow, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
+                    V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
+                    V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
+                    P::pack_row(ops, r, qrow, od, D, Dv);
+                    delta[r] = row_dot(od, orow, Dv);
+                }
                 const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
                 lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
                 int64_t lo, hi;
