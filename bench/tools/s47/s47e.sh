@@ -5,13 +5,7 @@
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD; HERE=$ROOT/bench/tools/s47
 lscpu | grep -E "Model name|^Model:" > $OUT/machine.txt
-for v in base new; do
-  mkdir -p /tmp/r_$v && cp -r setup.py pyproject.toml fa2cpu csrc README.md /tmp/r_$v/
-  [ $v = base ] && (cd /tmp/r_base && patch -R -p1 < $HERE/bwd_raw_bf16.patch > $OUT/patch.log 2>&1)
-  (cd /tmp/r_$v && FA2CPU_DISABLE=avx512bf16,avx512,avx2 python3 setup.py build_ext --inplace -j8 > $OUT/build_$v.log 2>&1; echo "build $v rc=$?" >> $OUT/build_$v.log) &
-done
-wait
-tail -qn1 $OUT/build_*.log
+bash $HERE/build_pair.sh $HERE/bwd_raw_bf16.patch r
 cd /tmp && for args in "16 backward 16 2048 0 bf16 9" "16 backward 16 2048 1 bf16 9" "16 backward 32 4096 0 bf16 5" "16 backward 32 4096 1 bf16 5" "1 backward 4 2048 0 bf16 5"; do
   PYTHONPATH=/tmp/r_new python3 $ROOT/bench/ab_inproc.py /tmp/r_base/fa2cpu /tmp/r_new/fa2cpu $args 2>&1 | tail -n1
 done | tee $OUT/raw_bf16_ab.log
