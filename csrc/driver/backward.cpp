@@ -6,6 +6,11 @@
 // Determinism: the items, each item's loop order and the partial sums' order depend on the
 // shapes only, never on the thread count or on which thread runs what, so dq, dk, dv are
 // bit-identical for any num_threads.
+//
+// Every element of dq, dk, dv is written (fa2cpu/backward.py allocates them uninitialised): items
+// cover every key of every (sequence, kv head) with keys or queries, an unsplit item zeroes the
+// dq rows that see none of its keys, reduce_group writes every row of a split head. A call with
+// no query heads returns at once and writes nothing (backward.py gives it zeros).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -234,7 +239,7 @@ thread_local ThreadFloats tls_dq_partials{int64_t(FA2CPU_BWD_KEEP_DQ_MB) << 20};
 int backward(const BackwardParams& bp) {
     check_backward(bp);
     const Params& p = bp.f;
-    if (p.batch == 0 || p.hq == 0) return 0;  // nothing to compute (and hq / hk would be 0)
+    if (p.batch == 0 || p.hq == 0) return 0;  // nothing to compute (and hq / hk would be 0); nothing written
     const BackwardKernel& K = current_table().backward;
     const int threads = std::max(1, std::min(p.num_threads, max_useful_threads()));
     const Plan plan = make_plan(bp, K);
