@@ -50,6 +50,15 @@ def _check(grads, dout, q, k, v, what="", **kw):
     return want
 
 
+def _varlen_inputs(rng, dtype, Hq=4, Hk=2, D=16, Dv=8):
+    """Five packed sequences, one without queries and one without keys, and keys without
+    queries: lengths, cu_seqlens (int64 for q, int32 for k) and q, k, v."""
+    lq, lk = [3, 0, 17, 1, 9], [5, 4, 17, 0, 30]
+    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    q, k, v = rand(rng, (cq[-1], Hq, D), dtype), rand(rng, (ck[-1], Hk, D), dtype), rand(rng, (ck[-1], Hk, Dv), dtype)
+    return lq, lk, cq, ck, q, k, v
+
+
 def _run(rng, B, Hq, Hk, Nq, Nk, D, Dv=None, dtype="float32", layout="bhsd", **kw):
     dout, q, k, v = _inputs(rng, B, Hq, Hk, Nq, Nk, D, Dv, dtype, layout)
     grads = _backward(dout, q, k, v, layout=layout, **kw)
@@ -366,9 +375,7 @@ def test_every_gradient_element_is_written(isa, rng, dtype, monkeypatch):
         out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True)
         for g in fa2cpu.flash_attention_backward(dout, q, k, v, out, lse):
             assert np.all(g.astype(np.float32) == 0)
-    lq, lk = [3, 0, 17, 1, 9], [5, 4, 17, 0, 30]
-    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)])
-    q, k, v = rand(rng, (cq[-1], 4, 16), dtype), rand(rng, (ck[-1], 2, 16), dtype), rand(rng, (ck[-1], 2, 8), dtype)
+    lq, lk, cq, ck, q, k, v = _varlen_inputs(rng, dtype)
     out, lse = fa2cpu.flash_attention_varlen(q, k, v, cq, ck, return_lse=True, causal=True)
     grads = fa2cpu.flash_attention_varlen_backward(rand(rng, out.shape, dtype), q, k, v, out, lse, cq, ck, causal=True)
     for name, g in zip(("dq", "dk", "dv"), grads):
@@ -613,13 +620,10 @@ def test_errors_happen_before_any_work(monkeypatch):
 def test_varlen_backward_matches_reference_per_sequence(isa, rng, dtype, opts):
     """flash_attention_varlen_backward: per-sequence gradients (masks aligned per sequence), empty
     sequences and keys without queries included, against the float64 reference."""
-    lq, lk = [3, 0, 17, 1, 9], [5, 4, 17, 0, 30]
-    Hq, Hk, D, Dv = 4, 2, 16, 8
-    cq, ck = np.concatenate([[0], np.cumsum(lq)]), np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
-    q, k, v = rand(rng, (cq[-1], Hq, D), dtype), rand(rng, (ck[-1], Hk, D), dtype), rand(rng, (ck[-1], Hk, Dv), dtype)
+    lq, lk, cq, ck, q, k, v = _varlen_inputs(rng, dtype)
     opts = dict(opts)
     if opts.pop("alibi", None):
-        opts["alibi_slopes"] = (rng.random((len(lq), Hq)) * 0.3).astype(np.float32)
+        opts["alibi_slopes"] = (rng.random((len(lq), q.shape[1])) * 0.3).astype(np.float32)
     out, lse = fa2cpu.flash_attention_varlen(q, k, v, cq, ck, return_lse=True, **opts)
     do = rand(rng, out.shape, dtype)
     dq, dk, dv = fa2cpu.flash_attention_varlen_backward(do, q, k, v, out, lse, cq, ck, **opts)
