@@ -467,6 +467,110 @@ cdef inline void _copy_row(char* dst, int64_t dst_stride, const char* src, int64
         memcpy(dst + i * dst_stride * item, src + i * src_stride * item, item)
 
 
+# ---- Gradient memory kept for the next backward ----------------------------------------------
+# A backward call's dq / dk / dv are new arrays. Memory fresh from the OS is zeroed by the kernel
+# page by page on first touch, inside the parallel kernels (with transparent huge pages, 2 MB at
+# a time while the other threads wait on the same pages); glibc hands blocks of several MB back
+# to the OS when they are freed, so a training loop's every backward paid that again. On the
+# 2-core Xeon with AMX (2 threads, B=1 H=16 N=2048 D=128) fresh gradients made the backward
+# 1.11-1.37x slower than reused ones (bench/RESULTS.md, session 48). So the memory of gradients
+# the caller has dropped is kept (blocks of the same byte size are reused, newest first), up to
+# FA2CPU_KEEP_GRADIENTS_MB (read at import, default 256; 0 keeps nothing); the oldest go first.
+# Only the holder of the GIL touches the list (allocation and __dealloc__ both run under it).
+cdef extern from *:
+    """
+    #include <cstdlib>
+    #include <vector>
+    struct Fa2cpuKeptBlock { void* ptr; size_t nbytes; };
+    static std::vector<Fa2cpuKeptBlock> fa2cpu_kept;  // oldest first
+    static size_t fa2cpu_kept_bytes = 0, fa2cpu_keep_limit = 0;
+    // A kept block of exactly nbytes (the newest such), else new 64-byte-aligned memory; null
+    // when out of memory.
+    static void* fa2cpu_take_block(size_t nbytes) {
+        for (size_t i = fa2cpu_kept.size(); i-- > 0;)
+            if (fa2cpu_kept[i].nbytes == nbytes) {
+                void* p = fa2cpu_kept[i].ptr;
+                fa2cpu_kept_bytes -= nbytes;
+                fa2cpu_kept.erase(fa2cpu_kept.begin() + i);
+                return p;
+            }
+        void* p = nullptr;
+        return posix_memalign(&p, 64, nbytes) == 0 ? p : nullptr;
+    }
+    // p's memory onto the kept list (the oldest freed while over the limit), or freed.
+    static void fa2cpu_give_back(void* p, size_t nbytes) {
+        if (nbytes > fa2cpu_keep_limit) { std::free(p); return; }
+        fa2cpu_kept.push_back({p, nbytes});
+        fa2cpu_kept_bytes += nbytes;
+        while (fa2cpu_kept_bytes > fa2cpu_keep_limit) {
+            std::free(fa2cpu_kept.front().ptr);
+            fa2cpu_kept_bytes -= fa2cpu_kept.front().nbytes;
+            fa2cpu_kept.erase(fa2cpu_kept.begin());
+        }
+    }
+    """
+    void* fa2cpu_take_block(size_t nbytes)
+    void fa2cpu_give_back(void* p, size_t nbytes)
+    size_t fa2cpu_kept_bytes
+    size_t fa2cpu_keep_limit
+
+import os as _os
+fa2cpu_keep_limit = <size_t>max(0, int(_os.environ.get("FA2CPU_KEEP_GRADIENTS_MB", "256") or 0)) << 20
+
+
+cdef class _KeptMemory:
+    """The memory behind one gradient array (its base, through the buffer protocol); given back to
+    the kept list when the last array or view of it is gone."""
+    cdef void* ptr
+    cdef size_t nbytes
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+
+    def __getbuffer__(self, Py_buffer* buf, int flags):
+        buf.buf = self.ptr
+        buf.obj = self
+        buf.len = self.nbytes
+        buf.readonly = 0
+        buf.itemsize = 1
+        buf.format = "B"
+        buf.ndim = 1
+        self.shape[0] = self.nbytes
+        self.strides[0] = 1
+        buf.shape = self.shape
+        buf.strides = self.strides
+        buf.suboffsets = NULL
+        buf.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* buf):
+        pass
+
+    def __dealloc__(self):
+        if self.ptr != NULL:
+            fa2cpu_give_back(self.ptr, self.nbytes)
+
+
+def gradient_array(shape, dtype):
+    """An uninitialised C-contiguous array of this shape and dtype for a backward's gradient, in
+    kept memory (see above) when it has elements."""
+    dtype = np.dtype(dtype)
+    cdef size_t count = 1
+    for n in shape:
+        count *= <size_t>n
+    if count == 0:
+        return np.empty(shape, dtype)
+    cdef _KeptMemory mem = _KeptMemory.__new__(_KeptMemory)
+    mem.ptr = fa2cpu_take_block(count * dtype.itemsize)
+    if mem.ptr == NULL:
+        raise MemoryError(f"fa2cpu: could not allocate a gradient of shape {tuple(shape)}")
+    mem.nbytes = count * dtype.itemsize
+    return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
+
+
+def kept_gradient_bytes():
+    """Bytes of gradient memory kept for reuse now (FA2CPU_KEEP_GRADIENTS_MB caps them)."""
+    return fa2cpu_kept_bytes
+
+
 def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                  cnp.ndarray lse, cnp.ndarray dq, cnp.ndarray dk, cnp.ndarray dv, *,
                  int dtype, int64_t batch, int64_t hq, int64_t hk, int64_t nq, int64_t nk,

@@ -37,7 +37,7 @@ def _gradients(q, k, v):
     return new(q.shape, q.dtype), new(k.shape, q.dtype), new(v.shape, q.dtype)
 
 
-_uninitialised = np.empty
+_uninitialised = _core.gradient_array  # kept memory of earlier gradients (_core.pyx says why)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
@@ -51,7 +51,12 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     (``P = exp(s - lse)``), so memory stays O(N * D) per head: the Nq x Nk matrix is never formed.
     Where a kv head's keys are split over work items, their float32 partial ``dq`` rows live in a
     buffer that the calling thread keeps for its next backward (up to 256 MiB; larger ones are
-    freed after the call), as a training loop repeats the same shapes.
+    freed after the call), as a training loop repeats the same shapes. For the same reason the
+    memory of gradients the caller has dropped is kept and handed to the next backward's
+    ``dq``, ``dk``, ``dv`` of the same byte size (never while any array or view of it is alive),
+    up to ``FA2CPU_KEEP_GRADIENTS_MB`` MiB (read at import; default 256, ``0`` keeps nothing):
+    fresh memory is zeroed by the kernel page by page inside the parallel kernels, which made a
+    2-thread backward up to 1.3x slower (bench/RESULTS.md, session 48).
 
     Parameters
     ----------

@@ -8,12 +8,14 @@ dtypes (TOL table of conftest), empty rows, NaN isolation, bit-identical results
 count, memory and errors.
 """
 
+import textwrap
+
 import numpy as np
 import pytest
 
 import fa2cpu
 import fa2cpu.backward as bw
-from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, peak_memory_script, rand, ref
+from conftest import DTYPES, NP_DTYPES, arg, check_close, check_same, peak_memory_script, rand, ref, run_python
 
 bwd_ref = ref.attention_backward_ref
 
@@ -380,6 +382,55 @@ def test_every_gradient_element_is_written(isa, rng, dtype, monkeypatch):
     grads = fa2cpu.flash_attention_varlen_backward(rand(rng, out.shape, dtype), q, k, v, out, lse, cq, ck, causal=True)
     for name, g in zip(("dq", "dk", "dv"), grads):
         assert not np.isnan(g.astype(np.float32)).any(), f"{name}: an element left unwritten"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kept_gradient_memory_is_reused_only_when_dropped(rng, dtype):
+    """Gradients live in kept memory (_core.gradient_array): a call while earlier gradients (or a
+    view of one) are alive never writes into them, and memory comes back for reuse only once the
+    last array of it is gone. Each call still matches the oracle."""
+    from fa2cpu import _core
+    if bw._uninitialised is not _core.gradient_array:
+        pytest.fail("flash_attention_backward does not allocate through _core.gradient_array")
+    dout, q, k, v = _inputs(rng, 1, 2, 1, 37, 29, 8, 5, dtype)
+    first = _backward(dout, q, k, v, causal=True)
+    _check(first, dout, q, k, v, causal=True)
+    held = [g.copy() for g in first]
+    addr = [g.__array_interface__["data"][0] for g in first]
+    view = first[0][0, 1]                                   # a view of dq: keeps its memory
+    second = _backward(dout, rand(rng, q.shape, dtype), k, rand(rng, v.shape, dtype), causal=True)
+    assert not any(np.shares_memory(a, b) for a, b in zip(first, second))
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(first, held))  # untouched
+    del first                                               # dk, dv come back; dq stays (the view)
+    third = _backward(dout, q, k, v, causal=True)
+    assert [g.__array_interface__["data"][0] for g in third[1:]] == addr[1:], "dk / dv memory not reused"
+    assert not np.shares_memory(view, third[0])
+    assert np.array_equal(view.view(np.uint8), held[0][0, 1].view(np.uint8)), "a live view was overwritten"
+    _check(third, dout, q, k, v, causal=True)
+    assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(third, held))  # same inputs, bits
+    fourth = _backward(dout, q, k, v, causal=True)          # a block is handed out once
+    assert not any(np.shares_memory(a, b) for a, b in zip(third, fourth))
+
+
+def test_kept_gradient_memory_limit():
+    """FA2CPU_KEEP_GRADIENTS_MB caps the kept memory (0: nothing is kept); a block larger than
+    the cap is freed, the oldest blocks go first."""
+    code = """
+        import os, numpy as np, fa2cpu
+        from fa2cpu import _core
+        limit = int(os.environ["FA2CPU_KEEP_GRADIENTS_MB"]) << 20
+        seen = []
+        for n in (1 << 18, 1 << 19, 1 << 20, 3 << 18):     # float32 elements: 1, 2, 4, 3 MB
+            a = _core.gradient_array((n,), np.float32)
+            a[:] = 1.0
+            del a
+            seen.append(_core.kept_gradient_bytes())
+        print(limit, *seen)
+    """
+    for mb, want in (("0", [0, 0, 0, 0]), ("3", [1 << 20, 3 << 20, 3 << 20, 3 << 20]), ("256", [1 << 20, 3 << 20, 7 << 20, 10 << 20])):
+        res = run_python(textwrap.dedent(code), env={"FA2CPU_KEEP_GRADIENTS_MB": mb})
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert [int(x) for x in res.stdout.split()[1:]] == want, (mb, res.stdout)
 
 
 def test_nan_stays_in_affected_rows(rng):
