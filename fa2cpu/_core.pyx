@@ -479,6 +479,8 @@ cdef inline void _copy_row(char* dst, int64_t dst_stride, const char* src, int64
 # Only the holder of the GIL touches the list (allocation and __dealloc__ both run under it).
 cdef extern from *:
     """
+    #include <sys/mman.h>
+
     #include <cstdlib>
     #include <vector>
     struct Fa2cpuKeptBlock { void* ptr; size_t nbytes; };
@@ -494,8 +496,15 @@ cdef extern from *:
                 fa2cpu_kept.erase(fa2cpu_kept.begin() + i);
                 return p;
             }
+        // Blocks of 4 MB and more as NumPy allocates them: on transparent huge pages where the
+        // system gives them on request (2 MB aligned, madvise), so their TLB reach is the same.
+        const size_t huge = size_t(2) << 20;
         void* p = nullptr;
-        return posix_memalign(&p, 64, nbytes) == 0 ? p : nullptr;
+        if (posix_memalign(&p, nbytes >= 2 * huge ? huge : 64, nbytes) != 0) return nullptr;
+    #ifdef MADV_HUGEPAGE
+        if (nbytes >= 2 * huge) madvise(p, nbytes & ~size_t(4095), MADV_HUGEPAGE);
+    #endif
+        return p;
     }
     // p's memory onto the kept list (the oldest freed while over the limit), or freed.
     static void fa2cpu_give_back(void* p, size_t nbytes) {
