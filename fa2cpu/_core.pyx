@@ -472,30 +472,45 @@ cdef inline void _copy_row(char* dst, int64_t dst_stride, const char* src, int64
 # page by page on first touch, inside the parallel kernels (with transparent huge pages, 2 MB at
 # a time while the other threads wait on the same pages); glibc hands blocks of several MB back
 # to the OS when they are freed, so a training loop's every backward paid that again. On the
-# 2-core Xeon with AMX (2 threads, B=1 H=16 N=2048 D=128) fresh gradients made the backward
-# 1.11-1.37x slower than reused ones (bench/RESULTS.md, session 48). So the memory of gradients
-# the caller has dropped is kept (blocks of the same byte size are reused, newest first), up to
-# FA2CPU_KEEP_GRADIENTS_MB (read at import, default 256; 0 keeps nothing); the oldest go first.
-# Only the holder of the GIL touches the list (allocation and __dealloc__ both run under it).
+# 2-core Xeon with AMX (a VM; 2 threads, B=1 H=16 N=2048 D=128) fresh gradients made the
+# backward 1.10-1.32x slower than reused ones (1.00 at one thread; 0.99-1.02x at 16 threads on
+# the AMX test machine, whose page faults are cheap; bench/RESULTS.md, session 48). So the memory
+# of gradients the caller has dropped is kept (a block of the same byte size is reused, newest
+# first), up to FA2CPU_KEEP_GRADIENTS_MB (read at import, default 256; 0 keeps nothing); the
+# oldest go first. Allocation and __dealloc__ run under the GIL; a mutex guards the list as well.
 cdef extern from *:
     """
     #include <sys/mman.h>
 
     #include <cstdlib>
+    #include <mutex>
     #include <vector>
     struct Fa2cpuKeptBlock { void* ptr; size_t nbytes; };
     static std::vector<Fa2cpuKeptBlock> fa2cpu_kept;  // oldest first
-    static size_t fa2cpu_kept_bytes = 0, fa2cpu_keep_limit = 0;
-    // A kept block of exactly nbytes (the newest such), else new 64-byte-aligned memory; null
-    // when out of memory.
+    static size_t fa2cpu_kept_bytes = 0;
+    static std::mutex fa2cpu_kept_mutex;  // the GIL guards every caller; this, builds without one
+    // FA2CPU_KEEP_GRADIENTS_MB (read once, at import): MiB kept; unset, empty or not a
+    // non-negative integer: 256.
+    static size_t fa2cpu_keep_limit_from_env() {
+        const char* s = std::getenv("FA2CPU_KEEP_GRADIENTS_MB");
+        if (!s || !*s) return size_t(256) << 20;
+        char* end = nullptr;
+        const long long v = std::strtoll(s, &end, 10);
+        return end && *end == 0 && v >= 0 ? size_t(v < (1LL << 30) ? v : (1LL << 30)) << 20 : size_t(256) << 20;
+    }
+    static const size_t fa2cpu_keep_limit = fa2cpu_keep_limit_from_env();
+    // A kept block of exactly nbytes (the newest such), else new memory; null when out of memory.
     static void* fa2cpu_take_block(size_t nbytes) {
-        for (size_t i = fa2cpu_kept.size(); i-- > 0;)
-            if (fa2cpu_kept[i].nbytes == nbytes) {
-                void* p = fa2cpu_kept[i].ptr;
-                fa2cpu_kept_bytes -= nbytes;
-                fa2cpu_kept.erase(fa2cpu_kept.begin() + i);
-                return p;
-            }
+        {
+            std::lock_guard<std::mutex> lock(fa2cpu_kept_mutex);
+            for (size_t i = fa2cpu_kept.size(); i-- > 0;)
+                if (fa2cpu_kept[i].nbytes == nbytes) {
+                    void* p = fa2cpu_kept[i].ptr;
+                    fa2cpu_kept_bytes -= nbytes;
+                    fa2cpu_kept.erase(fa2cpu_kept.begin() + i);
+                    return p;
+                }
+        }
         // Blocks of 4 MB and more as NumPy allocates them: on transparent huge pages where the
         // system gives them on request (2 MB aligned, madvise), so their TLB reach is the same.
         const size_t huge = size_t(2) << 20;
@@ -509,6 +524,7 @@ cdef extern from *:
     // p's memory onto the kept list (the oldest freed while over the limit), or freed.
     static void fa2cpu_give_back(void* p, size_t nbytes) {
         if (nbytes > fa2cpu_keep_limit) { std::free(p); return; }
+        std::lock_guard<std::mutex> lock(fa2cpu_kept_mutex);
         fa2cpu_kept.push_back({p, nbytes});
         fa2cpu_kept_bytes += nbytes;
         while (fa2cpu_kept_bytes > fa2cpu_keep_limit) {
@@ -517,14 +533,14 @@ cdef extern from *:
             fa2cpu_kept.erase(fa2cpu_kept.begin());
         }
     }
+    static size_t fa2cpu_kept_now() {
+        std::lock_guard<std::mutex> lock(fa2cpu_kept_mutex);
+        return fa2cpu_kept_bytes;
+    }
     """
     void* fa2cpu_take_block(size_t nbytes)
     void fa2cpu_give_back(void* p, size_t nbytes)
-    size_t fa2cpu_kept_bytes
-    size_t fa2cpu_keep_limit
-
-import os as _os
-fa2cpu_keep_limit = <size_t>max(0, int(_os.environ.get("FA2CPU_KEEP_GRADIENTS_MB", "256") or 0)) << 20
+    size_t fa2cpu_kept_now()
 
 
 cdef class _KeptMemory:
@@ -577,7 +593,7 @@ def gradient_array(shape, dtype):
 
 def kept_gradient_bytes():
     """Bytes of gradient memory kept for reuse now (FA2CPU_KEEP_GRADIENTS_MB caps them)."""
-    return fa2cpu_kept_bytes
+    return fa2cpu_kept_now()
 
 
 def run_backward(cnp.ndarray dout, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
