@@ -4,10 +4,7 @@
 # process (kept_gradients_ab.py), issue 11's table (backward_vs_torch.py), and the backward tests
 # on the amx family.
 cd "$(dirname "$0")/../../.."
-lscpu | grep -E "Model name|^Model:" > $OUT/machine.txt
-mkdir -p /tmp/w && cp -r setup.py pyproject.toml fa2cpu csrc README.md bench tests /tmp/w/
-(cd /tmp/w && FA2CPU_DISABLE=avx512bf16,avx512,avx2 python3 setup.py build_ext --inplace -j16 > $OUT/build.log 2>&1; echo "build rc=$?" >> $OUT/build.log)
-tail -n1 $OUT/build.log
+bash bench/tools/s48/build_amx.sh /tmp/w
 cd /tmp/w && {
   python3 -c "import fa2cpu; from fa2cpu import _core; print(fa2cpu.get_isa(), 'amx probe 16 thr', round(_core.peak_gflops('amx', 'bf16', 16, 0.2)), 'fp32', round(_core.peak_gflops('amx', 'fp32', 16, 0.2)))"
   for c in "16 16 2048 0 bf16 9" "16 16 2048 1 bf16 9" "16 16 2048 0 fp32 7" "16 16 2048 1 fp32 7" "16 32 4096 0 bf16 5" "16 32 4096 0 fp32 3" "2 16 2048 0 bf16 7"; do

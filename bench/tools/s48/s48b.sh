@@ -3,10 +3,7 @@
 # gradients' 4 MB+ blocks became 2 MB aligned and madvised: kept against np.empty at 16 and 2
 # threads, issue 11's table at 16 threads for H=16 N=2048 and H=32 N=4096.
 cd "$(dirname "$0")/../../.."
-lscpu | grep -E "Model name|^Model:" > $OUT/machine.txt
-mkdir -p /tmp/w && cp -r setup.py pyproject.toml fa2cpu csrc README.md bench tests /tmp/w/
-(cd /tmp/w && FA2CPU_DISABLE=avx512bf16,avx512,avx2 python3 setup.py build_ext --inplace -j16 > $OUT/build.log 2>&1; echo "build rc=$?" >> $OUT/build.log)
-tail -n1 $OUT/build.log
+bash bench/tools/s48/build_amx.sh /tmp/w
 cd /tmp/w && {
   for c in "16 16 2048 0 bf16 11" "16 16 2048 1 bf16 11" "16 16 2048 0 fp32 7" "16 16 2048 1 fp32 7" "16 32 4096 0 bf16 5" "16 32 4096 0 fp32 3" "2 16 2048 0 bf16 5" "2 16 2048 1 fp32 3"; do
     PYTHONPATH=/tmp/w python3 bench/tools/s48/kept_gradients_ab.py $c

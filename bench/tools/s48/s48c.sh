@@ -1,14 +1,6 @@
 #!/bin/bash
 # AMX test machine: bash bench/tools/s48/s48c.sh (logs under $OUT). dq partials written with
-# streaming stores (this tree) against plain stores (dq_partials_streamed.patch reversed), amx
-# family, in one process (bench/ab_inproc.py base new): 16 threads (4 key splits per kv head at
-# H=16 N=2048), 2 threads H=8 (2 splits) and H=16 (none).
-cd "$(dirname "$0")/../../.."; ROOT=$PWD
-lscpu | grep -E "Model name|^Model:" > $OUT/machine.txt
-bash bench/tools/s47/build_pair.sh $PWD/bench/tools/s48/dq_partials_streamed.patch nt
-{
-  for c in "16 backward 16 2048 0 bf16 11" "16 backward 16 2048 1 bf16 11" "16 backward 16 2048 0 fp32 7" "16 backward 16 2048 1 fp32 7" \
-           "16 backward 32 4096 0 bf16 5" "16 backward 32 4096 0 fp32 3" "2 backward 8 2048 0 bf16 7" "2 backward 16 2048 0 bf16 5"; do
-    (cd /tmp && PYTHONPATH=/tmp/nt_new python3 $ROOT/bench/ab_inproc.py /tmp/nt_base/fa2cpu /tmp/nt_new/fa2cpu $c 2>&1 | tail -n1)
-  done
-} 2>&1 | tee $OUT/s48c.log
+# streaming stores (this tree) against plain stores (dq_partials_streamed.patch reversed).
+# (Ran with the cases of ab_pair16.sh but its last: "2 backward 16 2048 0 bf16 5".)
+cd "$(dirname "$0")/../../.."
+bash bench/tools/s48/ab_pair16.sh $PWD/bench/tools/s48/dq_partials_streamed.patch nt s48c.log "2 backward 16 2048 0 bf16 5"

@@ -3,10 +3,7 @@
 # (bwd_phase_timers.patch: TSC per run_item phase summed over threads, wall TSC of the items and
 # the dq reduction per call), amx family, 16 threads.
 cd "$(dirname "$0")/../../.."; ROOT=$PWD
-lscpu | grep -E "Model name|^Model:" > $OUT/machine.txt
-mkdir -p /tmp/ph && cp -r setup.py pyproject.toml fa2cpu csrc README.md /tmp/ph/
-(cd /tmp/ph && patch -p1 < $ROOT/bench/tools/s48/bwd_phase_timers.patch > $OUT/patch.log 2>&1 && FA2CPU_DISABLE=avx512bf16,avx512,avx2 python3 setup.py build_ext --inplace -j16 > $OUT/build.log 2>&1; echo "build rc=$?" >> $OUT/build.log)
-tail -n1 $OUT/build.log
+bash bench/tools/s48/build_amx.sh /tmp/ph $ROOT/bench/tools/s48/bwd_phase_timers.patch
 cd /tmp && {
   for c in "16 2048 0 20 bf16" "16 2048 1 20 bf16" "16 2048 0 8 fp32" "32 4096 0 5 bf16" "64 2048 0 10 bf16"; do
     echo "## 16 threads: $c"; OMP_NUM_THREADS=16 PYTHONPATH=/tmp/ph python3 $ROOT/bench/tools/s48/bwd_only.py $c
