@@ -175,6 +175,24 @@ def test_flash_attention_options_and_mask(rng, dtype):
         same(ft.flash_attention(q, k, v, **opts), fa2cpu.flash_attention(N(q), N(k), N(v), **np_opts))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_autograd_gradients_in_kept_memory_stay_put(rng, dtype):
+    """The autograd's gradients wrap fa2cpu's kept gradient memory (backward.py): gradients of an
+    earlier backward that are still alive are never written by a later one."""
+    q, k, v = (trand(rng, (1, 2, 33, 16), dtype).requires_grad_() for _ in range(3))
+    ft.flash_attention(q, k, v, causal=True).sum().backward()
+    first = [x.grad for x in (q, k, v)]
+    held = [g.clone() for g in first]
+    for x in (q, k, v):
+        x.grad = None
+    (ft.flash_attention(q, k, v, causal=True) * 2).sum().backward()   # dout x 2: gradients x 2 (float16
+    # subnormals: to their last bit)
+    for a, b, c in zip(first, held, (q.grad, k.grad, v.grad)):
+        assert torch.equal(a, b), "a live gradient was overwritten"
+        assert a.data_ptr() != c.data_ptr()
+        torch.testing.assert_close(c.float(), 2 * b.float(), rtol=0, atol=6e-8)
+
+
 def test_under_no_grad_and_inference_mode(rng):
     q, k, v = (trand(rng, (1, 2, 5, 8)).requires_grad_() for _ in range(3))
     want = fa2cpu.flash_attention(N(q), N(k), N(v))
