@@ -56,7 +56,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     ``dq``, ``dk``, ``dv`` of the same byte size (never while any array or view of it is alive),
     up to ``FA2CPU_KEEP_GRADIENTS_MB`` MiB (read at import; default 256, ``0`` keeps nothing):
     fresh memory is zeroed by the kernel page by page inside the parallel kernels, which made a
-    2-thread backward up to 1.3x slower (bench/RESULTS.md, session 48).
+    2-thread backward up to 1.3x slower (bench/RESULTS.md, session 48). The arrays therefore do
+    not own their memory (``flags.owndata`` is False and ``ndarray.resize`` refuses them); their
+    base does, and gives it back only when no array or view of it is left.
 
     Parameters
     ----------
