@@ -480,11 +480,11 @@ cdef inline void _copy_row(char* dst, int64_t dst_stride, const char* src, int64
 # oldest go first. Allocation and __dealloc__ run under the GIL; a mutex guards the list as well.
 cdef extern from *:
     """
-    #include <sys/mman.h>
-
     #include <cstdlib>
     #include <mutex>
     #include <vector>
+
+    #include "driver/driver.h"
     struct Fa2cpuKeptBlock { void* ptr; size_t nbytes; };
     static std::vector<Fa2cpuKeptBlock> fa2cpu_kept;  // oldest first
     static size_t fa2cpu_kept_bytes = 0;
@@ -511,15 +511,8 @@ cdef extern from *:
                     return p;
                 }
         }
-        // Blocks of 4 MB and more as NumPy allocates them: on transparent huge pages where the
-        // system gives them on request (2 MB aligned, madvise), so their TLB reach is the same.
-        const size_t huge = size_t(2) << 20;
-        void* p = nullptr;
-        if (posix_memalign(&p, nbytes >= 2 * huge ? huge : 64, nbytes) != 0) return nullptr;
-    #ifdef MADV_HUGEPAGE
-        if (nbytes >= 2 * huge) madvise(p, nbytes & ~size_t(4095), MADV_HUGEPAGE);
-    #endif
-        return p;
+        // New memory as the driver's other large buffers get it (2 MB pages asked for from 8 MB on).
+        return fa2cpu::alloc_large(nbytes);
     }
     // p's memory onto the kept list (the oldest freed while over the limit), or freed.
     static void fa2cpu_give_back(void* p, size_t nbytes) {
@@ -584,10 +577,10 @@ def gradient_array(shape, dtype):
     if count == 0:
         return np.empty(shape, dtype)
     cdef _KeptMemory mem = _KeptMemory.__new__(_KeptMemory)
-    mem.ptr = fa2cpu_take_block(count * dtype.itemsize)
+    mem.nbytes = count * dtype.itemsize
+    mem.ptr = fa2cpu_take_block(mem.nbytes)
     if mem.ptr == NULL:
         raise MemoryError(f"fa2cpu: could not allocate a gradient of shape {tuple(shape)}")
-    mem.nbytes = count * dtype.itemsize
     return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
 
 

@@ -1,8 +1,7 @@
 """In-process A/B, same build: a backward whose gradients come from np.empty against kept memory
-(fa2cpu._core.gradient_array, the default), calls alternated.
+(fa2cpu._core.gradient_array, the default), calls alternated; each form keeps its last result
+alive until its next call returns (g = backward(...) in a loop).
     PYTHONPATH=$PWD python bench/tools/s48/kept_gradients_ab.py THREADS H N CAUSAL(0|1) bf16|fp32 REPS"""
-# same build: np.empty gradients vs kept memory (fa2cpu._core.gradient_array), calls alternated;
-# each form keeps its last result alive until its next call returns (g = backward(...) in a loop)
 import sys, time, numpy as np, ml_dtypes, fa2cpu, fa2cpu.backward as B
 from fa2cpu import _core
 T, H, N, causal, dt, reps = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5], int(sys.argv[6])
