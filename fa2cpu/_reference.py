@@ -47,6 +47,21 @@ def visible_band(nq, nk, *, causal=False, window=(-1, -1)):
     return vis
 
 
+def _weighted_values(p, v, vis):
+    """``p @ v`` where a key a row cannot see (``vis`` False, p = 0) is absent: an inf / NaN in its
+    value reaches only the rows that see it (API.md: NaN / inf propagate into the affected rows
+    only), where ``0 * inf`` would make every row NaN."""
+    bad = ~np.isfinite(v)
+    if not bad.any():
+        return p @ v
+    num = p @ np.where(bad, 0.0, v)
+    for j, d in zip(*np.nonzero(bad)):
+        rows = vis[:, j]
+        with np.errstate(invalid="ignore"):
+            num[rows, d] += p[rows, j] * v[j, d]
+    return num
+
+
 def _attention_bhsd(q, k, v, *, causal, scale, window, softcap, alibi_slopes, mask):
     """Core on float64 4-D bhsd arrays. Returns out (B, Hq, Nq, Dv), lse (B, Hq, Nq)."""
     B, Hq, Nq, D = q.shape
@@ -86,9 +101,10 @@ def _attention_bhsd(q, k, v, *, causal, scale, window, softcap, alibi_slopes, ma
                 s = softcap * np.tanh(s / softcap)
             if alibi_slopes is not None:
                 s = s - slopes[b, h] * dist
-            if float_mask is not None:
-                s = s + float_mask[b, h]
             vis = band if bool_mask is None else band & bool_mask[b, h]
+            if float_mask is not None:  # -inf hides the key, as False does (whatever its score)
+                s = s + float_mask[b, h]
+                vis = vis & ~np.isneginf(float_mask[b, h])
             s = np.where(vis, s, -np.inf)
             # Rows where every score is -inf (nothing visible, or a float mask of -inf) stay 0 / -inf.
             live = ~np.all(np.isneginf(s), axis=1)
@@ -99,7 +115,7 @@ def _attention_bhsd(q, k, v, *, causal, scale, window, softcap, alibi_slopes, ma
             with np.errstate(invalid="ignore"):  # NaN rows stay NaN, as the contract says
                 p = np.exp(sl - m)
             l = p.sum(axis=1, keepdims=True)
-            out[b, h, live] = (p @ v[b, hk]) / l
+            out[b, h, live] = _weighted_values(p, v[b, hk], vis[live]) / l
             lse[b, h, live] = (m + np.log(l))[:, 0]
     return out, lse
 

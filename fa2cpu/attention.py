@@ -59,8 +59,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
         Adds ``-slope * |i + Nk - Nq - j|`` to the scores.
     mask : ndarray, optional
         Broadcastable to ``(B, Hq, Nq, Nk)``: bool (True = may attend) or float (added to the
-        scores; float dtypes other than float32 are converted at the mask's own size). Read
-        through its strides, never expanded.
+        scores; float dtypes other than float32 are converted at the mask's own size; -inf
+        hides the key as False does, whatever its score). Read through its strides, never
+        expanded.
     return_lse : bool
         Also return the natural-log log-sum-exp, float32 ``(B, Hq, Nq)`` (``(Hq, Nq)`` /
         ``(Nq,)`` for 3-D / 2-D inputs). A row that sees no key gets output 0 and LSE -inf.
@@ -79,6 +80,13 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1), softc
     Returns
     -------
     out, or ``(out, lse)`` when ``return_lse``.
+
+    Notes
+    -----
+    A key a row cannot see (causal, window, mask) is absent from that row: an inf or NaN in its
+    k or v never reaches the row, even where the tiles compute it beside rows that see it. A row
+    that sees an inf / NaN in v gets it in that column (``p * v`` for p > 0); a NaN in q, in a
+    k it sees or in the mask makes the row NaN (out and LSE).
     """
     return_lse = _bool("return_lse", return_lse)
     problem, out = attention_problem(q, k, v, causal, scale, window, softcap, alibi_slopes, mask, layout,

@@ -653,6 +653,92 @@ def test_nonfinite_key_hidden_by_a_bool_mask_stays_out(isa, rng, bad, dtype):
         check_close(out, r_out, dtype)
 
 
+def _hidden_values_case(rng, dt, shape_v, keys, head, bad):
+    v = rand(rng, shape_v).astype(dt)
+    v[(0, head, keys, 3) if len(shape_v) == 4 else (keys, head, 3)] = bad
+    return v
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_nonfinite_value_of_a_hidden_key_reaches_no_other_row(isa, rng, bad, dtype):
+    """An inf / NaN in V at a key that causal, a window or a mask hides from some rows reaches only
+    the rows that see it (API.md: NaN / inf propagate into the affected rows only). The products
+    take P = 0 for hidden keys, and 0 x inf = NaN made rows of the same tile NaN (under causal up to
+    ~50 rows before the key, on every family). Rows that see the key get +-inf / NaN in its column,
+    as p x v gives for p > 0; the others match the reference on a V without it."""
+    import ml_dtypes
+    dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    for nq, nk, Hq, Hk, D in ((300, 300, 2, 1, 64), (40, 300, 4, 2, 32), (7, 7, 1, 1, 16), (97, 513, 2, 2, 128)):
+        q, k = rand(rng, (1, Hq, nq, D)).astype(dt), rand(rng, (1, Hk, nk, D)).astype(dt)
+        keys = sorted({0, 5 % nk, nk // 2, nk - 2})
+        v = _hidden_values_case(rng, dt, (1, Hk, nk, D), keys, Hk - 1, bad)
+        seen = rng.random((1, Hq, nq, nk)) < 0.6
+        for kw in (dict(causal=True), dict(window=(10, 5)), dict(mask=seen),
+                   dict(mask=np.where(seen, rand(rng, seen.shape), -np.inf).astype(np.float32))):
+            out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, **kw)
+            r_out, r_lse = ref.attention_ref(q, k, v, **kw)
+            check_close(out, r_out, dtype)
+            check_close(lse, r_lse, dtype, what="lse")
+            vis = ref.visible_band(nq, nk, causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
+            for h in range(Hq):
+                m = vis & (seen[0, h] if "mask" in kw else True)
+                sees = m[:, keys].any(axis=1) if h // (Hq // Hk) == Hk - 1 else np.zeros(nq, bool)
+                assert np.isfinite(out[0, h][~sees].astype(np.float32)).all(), (kw.keys(), h)
+                assert not np.isfinite(out[0, h, sees, 3].astype(np.float32)).any(), (kw.keys(), h)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_value_of_a_hidden_key_varlen_and_kvcache(isa, rng, bad):
+    """The same through varlen and a KV cache (chunked prefill rows under causal: contiguous and
+    paged, a float8 NaN code or an int8 row's non-finite scale, with and without split-KV)."""
+    import ml_dtypes
+    from test_kvcache_quant import dequantize, paged, quantize
+    dt = ml_dtypes.bfloat16
+    # varlen: two sequences, the bad value in the second, keys hidden from its first rows
+    cu = np.array([0, 70, 250])
+    q, k = rand(rng, (250, 4, 32)).astype(dt), rand(rng, (250, 2, 32)).astype(dt)
+    v = _hidden_values_case(rng, dt, (250, 2, 32), [71, 200], 1, bad)
+    out = fa2cpu.flash_attention_varlen(q, k, v, cu, cu, causal=True)
+    check_close(out, ref.varlen_ref(q, k, v, cu, cu, causal=True)[0], "bfloat16")
+    assert np.isfinite(out[:71].astype(np.float32)).all() and np.isfinite(out[72:200, :2].astype(np.float32)).all()
+    # KV cache: 5 new rows per sequence; key lens - 2 hidden from the first 3 of them
+    B, cap, Hq, Hk, D, nq = 2, 320, 4, 2, 32, 5
+    lens = np.array([200, 150], np.int32)
+    qc = rand(rng, (B, nq, Hq, D)).astype(dt)
+    floats = rand(rng, (B, cap, Hk, D)).astype(dt), rand(rng, (B, cap, Hk, D)).astype(dt)
+    for kind in ("bf16", "int8", "fp8"):
+        if kind == "bf16":
+            kc, vc = (x.copy() for x in floats)
+            ks = vs = None
+            vc[0, lens[0] - 2, 1, 3] = bad
+            kf, vf = kc, vc
+        else:
+            code = "int8" if kind == "int8" else "fp8"
+            (kc, ks), (vc, vs) = (quantize(x.astype(np.float32), code) for x in floats)
+            if kind == "int8":
+                vs[0, lens[0] - 2, 1] = bad
+            else:
+                vc.view(np.uint8)[0, lens[0] - 2, 1, 3] = 0x7F
+            kf, vf = dequantize(kc, ks), dequantize(vc, vs)
+        r_out = ref.kvcache_ref(qc, kf, vf, cache_seqlens=lens, causal=True)[0]
+        for block_size in (None, 16):
+            pk, pv, pks, pvs, table = kc, vc, ks, vs, None
+            if block_size:
+                t_seed = int(rng.integers(1 << 30))
+                pk, table = paged(np.random.default_rng(t_seed), kc, block_size)
+                pv, _ = paged(np.random.default_rng(t_seed), vc, block_size)
+                if ks is not None:
+                    pks, _ = paged(np.random.default_rng(t_seed), ks, block_size)
+                    pvs, _ = paged(np.random.default_rng(t_seed), vs, block_size)
+            for splits in (1, 3):
+                out = fa2cpu.flash_attention_with_kvcache(qc, pk, pv, cache_seqlens=lens, block_table=table,
+                                                          causal=True, num_splits=splits, k_scale=pks, v_scale=pvs)
+                check_close(out, r_out, "bfloat16", what=f"{kind} block {block_size} splits {splits}")
+                assert np.isfinite(out[0, :3].astype(np.float32)).all() and np.isfinite(out[1].astype(np.float32)).all()
+                assert not np.isfinite(out[0, 3:, 2:, 3].astype(np.float32)).any()
+
+
 def test_append_targets_that_alias_are_refused_before_writing():
     """An append into a writable zero-stride cache (rows shared between sequences), into one array
     given as both caches, or into one array given as both scales: ValueError, nothing written."""

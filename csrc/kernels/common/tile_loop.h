@@ -108,6 +108,12 @@ struct TileLoop {
 
     // ---- the item ------------------------------------------------------------------------
     static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
+        if (!run_pass(p, it, ctx, false)) run_pass(p, it, ctx, true);  // Hidden: the careful pass
+    }
+    // One pass over the item; careful: V's non-finite values kept out of rows that do not see
+    // them (Hidden). A pass that is not careful returns false, writing nothing, when some block
+    // hid keys from some row and O holds an inf / NaN.
+    static bool run_pass(const Params& p, const WorkItem& it, const ItemContext& ctx, bool careful) {
         float* scratch = ctx.scratch;
         FA2CPU_CHECK(p.d <= kMaxHeadDim && p.dv <= kMaxHeadDim);  // the row buffer below
         const int64_t b = it.b, group = p.hq / p.hk, D = p.d, Dv = p.dv;
@@ -181,6 +187,8 @@ struct TileLoop {
         for (int64_t j = 0; j < G::o_floats(Dv, M); ++j) o[j] = 0.f;
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
         const bool block_tiles = G::kTilesEndAtBlocks && p.block_table != nullptr;
+        Hidden hidden(it);
+        bool hid = false;  // some block hid keys from some row
         for (int64_t c0 = lo_min, nc = 0; c0 <= hi_max; c0 += nc) {
             nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
             if (block_tiles && p.block_size - c0 % p.block_size < nc) nc = p.block_size - c0 % p.block_size;
@@ -202,10 +210,242 @@ struct TileLoop {
                 const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, softmax_scale,
                                              first_key, last_key, diagonal, slope, mask_row_offset, mask_values, s);
                 softmax_update(ops, nv, ncb, s, pb, mrow + r0, lrow + r0, r0, biased ? 1.f : softmax_scale);
-                G::pv(ops, rows, pb, ncb, vt);
+                // Some row of the block may not see some key: V's non-finite values stay out of it.
+                const bool hides = range_mask || p.mask != nullptr;
+                hid |= hides;
+                const KvTile* clean = careful && hides && hidden.dirty(p, it, c0, nc, ncb, blo_max, bhi_min)
+                                          ? hidden.clean_tile(p, it, c0, nc, M)
+                                          : nullptr;
+                G::pv(ops, rows, pb, ncb, clean ? *clean : vt);
+                if (clean) hidden.add_seen(p, it, c0, ncb, r0, rend, row_kv_head, first_key, last_key, mask_row_offset);
             }
         }
-        finish(p, it, R, nqi, M, o, mrow, lrow, ctx.parts);
+        if (hid && !careful && !finite(o, G::o_floats(Dv, M))) return false;
+        finish(p, it, R, nqi, M, o, mrow, lrow, hidden.nf, ctx.parts);
+        return true;
+    }
+    // Whether n floats hold no inf / NaN (x - x is NaN exactly there).
+    static bool finite(const float* x, int64_t n) {
+        vec acc = V::zero();
+        int64_t j = 0;
+        for (; j + W <= n; j += W) {
+            const vec y = V::load(x + j);
+            acc = V::add(acc, V::sub(y, y));
+        }
+        alignas(64) float lanes[W];
+        V::store(lanes, acc);
+        float t = 0.f;
+        for (int l = 0; l < W; ++l) t += lanes[l];
+        for (; j < n; ++j) t += x[j] - x[j];
+        return t == t;
+    }
+
+    // ---- non-finite V values of keys a row cannot see --------------------------------------
+    // The policies' PV products take every key of a tile for every row of a block, with P = 0 for
+    // keys a row cannot see (causal / window edges, masks), and 0 x inf = NaN would carry an inf /
+    // NaN in such a key's V into rows that never see it (API.md: NaN / inf propagate into the
+    // affected rows only). An item whose blocks hid keys and whose O then holds an inf / NaN
+    // (run_pass; checking O costs one pass over it per item) runs again, carefully: the V rows
+    // of keys each block hides are scanned (dirty); where a non-finite value turns up (garbage
+    // in a padding slot), such
+    // blocks' PV reads a copy of the tile with those elements (codes, scales) 0, and every row
+    // that sees such a key gets the element added to its output after normalisation (nf): +-inf
+    // or NaN, what p x v is for any p > 0. Rows that do not see it get the bits of a call whose V
+    // holds 0 there. The copy and nf live in thread-local memory taken only then.
+    struct Hidden {
+        const int64_t kvh;            // kv heads of the item's rows
+        int64_t scanned_c0 = -1;      // the tile whose non-finite keys are listed in bad
+        int64_t clear_c0 = -1;        // a tile found to hold none (masks: scanned once per tile)
+        int64_t clean_c0 = -1;        // the tile whose clean copy is built
+        int64_t bad_count = 0;        // keys (c, h) of the scanned tile with a non-finite element
+        int32_t* bad = nullptr;       // c * kvh + h, ascending
+        float* nf = nullptr;          // [M][Dv] the rows' non-finite additions (null: none yet)
+        KvTile clean{};
+        explicit Hidden(const WorkItem& it) : kvh(it.kv_heads) {}
+
+        // Whether keys [0, ncb) of tile c0 (nc keys) hold a non-finite V value of the item's heads
+        // where the block hides some key: with a mask anywhere (the tile scanned once), else
+        // outside [blo_max, bhi_min], the keys every row of the block sees (causal: the keys past
+        // its first row's diagonal, scanned per block).
+        bool dirty(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, int64_t ncb, int64_t blo_max,
+                   int64_t bhi_min) {
+            if (scanned_c0 != c0) {
+                if (p.mask) {
+                    if (clear_c0 == c0) return false;
+                    if (!any_nonfinite(p, it, c0, c0 + nc)) { clear_c0 = c0; return false; }
+                } else {
+                    const int64_t end = c0 + ncb;
+                    const int64_t a = blo_max < c0 ? c0 : blo_max > end ? end : blo_max;
+                    const int64_t z = bhi_min >= end ? end : bhi_min + 1 < a ? a : bhi_min + 1;
+                    if (!any_nonfinite(p, it, c0, a) && !any_nonfinite(p, it, z, end)) return false;
+                }
+                scanned_c0 = c0;  // something there: the whole tile's list
+                bad_count = 0;
+                for (int64_t c = 0; c < nc; ++c)
+                    for (int64_t h = 0; h < kvh; ++h)
+                        if (v_row_nonfinite(p, it, c0 + c, h)) {
+                            if (!bad) bad = static_cast<int32_t*>(rare_memory(0, BC * kvh * sizeof(int32_t)));
+                            if (!bad) return false;  // no memory: the products as they are
+                            bad[bad_count++] = int32_t(c * kvh + h);
+                        }
+            }
+            return bad_count > 0 && bad[0] / kvh < ncb;
+        }
+        // Whether V rows [from, to) of the item's heads hold an inf / NaN.
+        bool any_nonfinite(const Params& p, const WorkItem& it, int64_t from, int64_t to) const {
+            const DType ct = kv_dtype(p);
+            alignas(64) float buf[kMaxHeadDim];
+            for (int64_t pos = from; pos < to; ++pos)
+                for (int64_t h = 0; h < kvh; ++h) {
+                    if (is_code_dtype(ct)) {
+                        if (v_row_nonfinite(p, it, pos, h)) return true;
+                        continue;
+                    }
+                    V::load_row(buf, elem_ptr(p.v, v_row_at(p, it, pos, h), ct), p.dv, p.v_dim_stride, ct);
+                    if (!finite(buf, p.dv)) return true;
+                }
+            return false;
+        }
+        // The tile with its non-finite V values 0, as the policy reads it (built once per tile);
+        // null without memory for it (then the products take the tile as it is).
+        const KvTile* clean_tile(const Params& p, const WorkItem& it, int64_t c0, int64_t nc, int64_t M) {
+            if (clean_c0 == c0) return &clean;
+            const DType ct = kv_dtype(p);
+            const int64_t Dv = p.dv, esize = int64_t(dtype_size(ct));
+            const int64_t raw_bytes = round_up(BC * kvh * Dv * esize, 64), scale_bytes = round_up(BC * kvh * 4, 64);
+            const int64_t own_bytes = round_up(G::v_floats(Dv) * 4, 64), stage_bytes = BC * Dv * 4;
+            char* mem = static_cast<char*>(rare_memory(1, size_t(raw_bytes + scale_bytes + own_bytes + stage_bytes)));
+            if (!nf) {
+                nf = static_cast<float*>(rare_memory(2, size_t(M * Dv) * 4));
+                if (nf) for (int64_t j = 0; j < M * Dv; ++j) nf[j] = 0.f;
+            }
+            if (!mem || !nf) return nullptr;
+            float* scales = reinterpret_cast<float*>(mem + raw_bytes);
+            Params sp = p;  // one sequence of nc keys: [nc][kvh][Dv] elements, [nc][kvh] scales
+            sp.v = mem;
+            sp.v_batch_stride = 0; sp.v_row_stride = kvh * Dv; sp.v_head_stride = Dv; sp.v_dim_stride = 1;
+            sp.block_table = nullptr;
+            sp.cu_seqlens_k = nullptr;
+            sp.seqlen_k = nullptr;
+            if (p.v_scale) {
+                sp.v_scale = scales;
+                sp.v_scale_batch_stride = 0; sp.v_scale_row_stride = kvh; sp.v_scale_head_stride = 1;
+            }
+            for (int64_t c = 0; c < nc; ++c)
+                for (int64_t h = 0; h < kvh; ++h)
+                    copy_clean_row(p, it, c0 + c, h, mem + (c * kvh + h) * Dv * esize, scales + c * kvh + h);
+            WorkItem one = it;
+            one.b = 0;
+            one.kv_head = 0;
+            clean = tile<1>(sp, one, 0, nc, nc, 0, reinterpret_cast<float*>(mem + raw_bytes + scale_bytes),
+                            reinterpret_cast<float*>(mem + raw_bytes + scale_bytes + own_bytes), nullptr);
+            clean_c0 = c0;
+            return &clean;
+        }
+        // nf of rows [r0, rend) += the non-finite values of keys [c0, c0 + ncb) each sees.
+        void add_seen(const Params& p, const WorkItem& it, int64_t c0, int64_t ncb, int64_t r0, int64_t rend,
+                      const int32_t* row_kv_head, const int64_t* first_key, const int64_t* last_key,
+                      const int64_t* mask_row_offset) const {
+            const int64_t Dv = p.dv;
+            for (int64_t e = 0; e < bad_count && bad[e] / kvh < ncb; ++e) {
+                const int64_t key = c0 + bad[e] / kvh, h = bad[e] % kvh;
+                for (int64_t r = r0; r < rend; ++r) {
+                    if (row_kv_head[r] != h || key < first_key[r] || key > last_key[r]) continue;
+                    if (p.mask) {
+                        const int64_t at = mask_row_offset[r] + key * p.mask_key_stride;
+                        const bool seen = MaskKind(p.mask_kind) == MaskKind::boolean
+                                              ? static_cast<const uint8_t*>(p.mask)[at] != 0
+                                              : static_cast<const float*>(p.mask)[at] != -INFINITY;
+                        if (!seen) continue;
+                    }
+                    for (int64_t d = 0; d < Dv; ++d) {
+                        const float x = v_value(p, it, key, h, d);
+                        if (!std::isfinite(x)) nf[r * Dv + d] += x;
+                    }
+                }
+            }
+        }
+    };
+    // Element offset of key pos's V row of the item's kv head h (relative), and its scale.
+    static int64_t v_row_at(const Params& p, const WorkItem& it, int64_t pos, int64_t h) {
+        return k_row_offset(p, it.b, pos, p.v_batch_stride, p.v_row_stride) + (it.kv_head + h) * p.v_head_stride;
+    }
+    static float v_row_scale(const Params& p, const WorkItem& it, int64_t pos, int64_t h) {
+        if (!p.v_scale) return 1.f;
+        return p.v_scale[k_row_offset(p, it.b, pos, p.v_scale_batch_stride, p.v_scale_row_stride) +
+                         (it.kv_head + h) * p.v_scale_head_stride];
+    }
+    // V[pos][d] of the item's kv head h as float32 (codes times their scale).
+    static float v_value(const Params& p, const WorkItem& it, int64_t pos, int64_t h, int64_t d) {
+        const int64_t at = v_row_at(p, it, pos, h) + d * p.v_dim_stride;
+        switch (kv_dtype(p)) {
+            case DType::f32: return static_cast<const float*>(p.v)[at];
+            case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(p.v)[at]);
+            case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(p.v)[at]);
+            case DType::i8: return float(static_cast<const int8_t*>(p.v)[at]) * v_row_scale(p, it, pos, h);
+            default: return f8e4m3_values()[static_cast<const uint8_t*>(p.v)[at]] * v_row_scale(p, it, pos, h);
+        }
+    }
+    // Whether V row (pos, h) holds an inf / NaN: float types by their exponent bits (a pass the
+    // compiler vectorises for unit strides), codes element by element (caches only).
+    static bool v_row_nonfinite(const Params& p, const WorkItem& it, int64_t pos, int64_t h) {
+        const DType ct = kv_dtype(p);
+        const int64_t n = p.dv, ds = p.v_dim_stride, at = v_row_at(p, it, pos, h);
+        if (ct == DType::f32) {
+            const uint32_t* u = static_cast<const uint32_t*>(p.v) + at;
+            uint32_t m = ~0u;  // 0 once an element's exponent bits are all ones
+            if (ds == 1) for (int64_t j = 0; j < n; ++j) m = std::min(m, (u[j] & 0x7f800000u) ^ 0x7f800000u);
+            else for (int64_t j = 0; j < n; ++j) m = std::min(m, (u[j * ds] & 0x7f800000u) ^ 0x7f800000u);
+            return m == 0;
+        }
+        if (ct == DType::bf16 || ct == DType::f16) {
+            const uint16_t e = ct == DType::bf16 ? 0x7f80 : 0x7c00;
+            const uint16_t* u = static_cast<const uint16_t*>(p.v) + at;
+            uint16_t m = 0xffff;
+            if (ds == 1) for (int64_t j = 0; j < n; ++j) m = std::min<uint16_t>(m, uint16_t((u[j] & e) ^ e));
+            else for (int64_t j = 0; j < n; ++j) m = std::min<uint16_t>(m, uint16_t((u[j * ds] & e) ^ e));
+            return m == 0;
+        }
+        for (int64_t d = 0; d < n; ++d)
+            if (!std::isfinite(v_value(p, it, pos, h, d))) return true;
+        return false;
+    }
+    // V row (pos, h) into dst ([Dv] elements of the cache's type) with its non-finite values 0,
+    // and its scale (codes) into *scale, 0 if not finite.
+    static void copy_clean_row(const Params& p, const WorkItem& it, int64_t pos, int64_t h, char* dst, float* scale) {
+        const DType ct = kv_dtype(p);
+        const int64_t at = v_row_at(p, it, pos, h), ds = p.v_dim_stride;
+        const float sc = v_row_scale(p, it, pos, h);
+        *scale = std::isfinite(sc) ? sc : 0.f;
+        for (int64_t d = 0; d < p.dv; ++d) {
+            const bool keep = std::isfinite(v_value(p, it, pos, h, d));
+            if (ct == DType::f32) {
+                const float x = static_cast<const float*>(p.v)[at + d * ds];
+                reinterpret_cast<float*>(dst)[d] = keep ? x : 0.f;
+            } else if (ct == DType::bf16 || ct == DType::f16) {
+                const uint16_t x = static_cast<const uint16_t*>(p.v)[at + d * ds];
+                reinterpret_cast<uint16_t*>(dst)[d] = keep ? x : uint16_t(0);
+            } else {
+                const uint8_t x = static_cast<const uint8_t*>(p.v)[at + d * ds];
+                reinterpret_cast<uint8_t*>(dst)[d] = keep ? x : uint8_t(0);
+            }
+        }
+    }
+    // Thread-local memory of the rare path above, slot k (0 bad keys, 1 clean tile, 2 nf), grown
+    // on demand and kept; null when it cannot be had.
+    static void* rare_memory(int k, size_t bytes) {
+        struct Slots {
+            void* p[3] = {nullptr, nullptr, nullptr};
+            size_t n[3] = {0, 0, 0};
+            ~Slots() { for (void* x : p) std::free(x); }
+        };
+        static thread_local Slots slots;
+        if (slots.n[k] < bytes) {
+            std::free(slots.p[k]);
+            slots.p[k] = std::aligned_alloc(64, round_up(int64_t(bytes), 64));
+            slots.n[k] = slots.p[k] ? bytes : 0;
+        }
+        return slots.p[k];
     }
 
     // After row r (real or padding) is in qrows[(r % 16) * D ..]: the block's last row packs the
@@ -382,7 +622,10 @@ struct TileLoop {
                     } else {
                         const float* mf = static_cast<const float*>(p.mask);
                         for (int t = 0; t < W; ++t) mv[t] = mf[mask_row_offset[rv + t] + (c0 + c) * p.mask_key_stride] * kLog2e;
-                        x = V::add(x, V::load(mv));
+                        // -inf selects -inf, as a False entry does (x + -inf would be NaN for a
+                        // NaN / +inf score); a NaN entry still makes the score NaN.
+                        const vec mvv = V::load(mv);
+                        x = V::mask_outside(V::add(x, mvv), mvv, V::set1(-FLT_MAX), V::set1(INFINITY), ninf);
                     }
                 }
                 if (range_mask) x = V::mask_outside(x, V::set1(kc), lo, hi, ninf);
@@ -532,7 +775,7 @@ struct TileLoop {
 
     // Normalise once per item and write the output rows (or the split's partial rows).
     static void finish(const Params& p, const WorkItem& it, int64_t R, int64_t nqi, int64_t M,
-                       const float* o, const float* mrow, const float* lrow, Partials parts) {
+                       const float* o, const float* mrow, const float* lrow, const float* nf, Partials parts) {
         const int64_t b = it.b, group = p.hq / p.hk, Dv = p.dv;
         FA2CPU_CHECK(Dv <= kMaxHeadDim);  // the row buffer below
         // Rows of O: 16 at a time from the policy's layout where it can (gather_o_rows), else element by element.
@@ -553,6 +796,8 @@ struct TileLoop {
             } else {
                 for (int64_t j = 0; j < Dv; ++j) row[j] = G::o_elem(o, M, Dv, r, j) * inv;
             }
+            if (nf)  // the inf / NaN values of V the row sees that its products took as 0 (Hidden)
+                for (int64_t j = 0; j < Dv; ++j) row[j] += nf[r * Dv + j];
             if (it.part >= 0) {
                 parts.lse[it.part + r] = lse2;
                 continue;
