@@ -220,9 +220,33 @@ struct TileLoop {
                 if (clean) hidden.add_seen(p, it, c0, ncb, r0, rend, row_kv_head, first_key, last_key, mask_row_offset);
             }
         }
-        if (hid && !careful && !finite(o, G::o_floats(Dv, M))) return false;
+        if (hid && !careful && !finite(o, G::o_floats(Dv, M)) && leaked(o, M, Dv, R, lrow) &&
+            hidden.any_nonfinite(p, it, lo_min, hi_max + 1))
+            return false;
         finish(p, it, R, nqi, M, o, mrow, lrow, hidden.nf, ctx.parts);
         return true;
+    }
+    // Whether a row whose sum l is finite has an inf / NaN in O: only V can have put it there
+    // (a NaN from q, k, a mask or a sink makes l NaN too, and then V need not be looked at).
+    static bool leaked(const float* o, int64_t M, int64_t Dv, int64_t R, const float* lrow) {
+        alignas(64) float rows[kBlockO ? 16 * kMaxHeadDim : kMaxHeadDim];
+        int64_t gathered = -1;
+        for (int64_t r = 0; r < R; ++r) {
+            if (!std::isfinite(lrow[r])) continue;
+            const float* row = rows;
+            if constexpr (kBlockO) {
+                if (M % 16 == 0) {  // 16 rows at a time, as finish reads them
+                    if (gathered != r - r % 16) G::gather_o_rows(o, M, Dv, gathered = r - r % 16, rows);
+                    row = rows + (r % 16) * Dv;
+                } else {
+                    for (int64_t j = 0; j < Dv; ++j) rows[j] = G::o_elem(o, M, Dv, r, j);
+                }
+            } else {
+                for (int64_t j = 0; j < Dv; ++j) rows[j] = G::o_elem(o, M, Dv, r, j);
+            }
+            if (!finite(row, Dv)) return true;
+        }
+        return false;
     }
     // Whether n floats hold no inf / NaN (x - x is NaN exactly there).
     static bool finite(const float* x, int64_t n) {
@@ -245,7 +269,8 @@ struct TileLoop {
     // keys a row cannot see (causal / window edges, masks), and 0 x inf = NaN would carry an inf /
     // NaN in such a key's V into rows that never see it (API.md: NaN / inf propagate into the
     // affected rows only). An item whose blocks hid keys and whose O then holds an inf / NaN
-    // (run_pass; checking O costs one pass over it per item) runs again, carefully: the V rows
+    // (run_pass; checking O costs one pass over it per item) and whose V rows do too runs
+    // again, carefully: the V rows
     // of keys each block hides are scanned (dirty); where a non-finite value turns up (garbage
     // in a padding slot), such
     // blocks' PV reads a copy of the tile with those elements (codes, scales) 0, and every row
