@@ -7,7 +7,8 @@
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
 lscpu | grep -E "Model name|^Model:" > $OUT/machine.txt
-bash bench/tools/s47/build_pair.sh bench/tools/s49/hidden_values.patch s49
+rm -rf /tmp/s49_base /tmp/s49_new
+bash bench/tools/s47/build_pair.sh $ROOT/bench/tools/s49/hidden_values.patch s49  # (an absolute path: build_pair patches from /tmp)
 for c in "16 32 4096 1 bf16 7" "16 32 4096 0 bf16 7" "16 16 2048 1 bf16 9" "16 16 2048 1 fp32 7" "16 32 4096 1 fp32 5" "1 4 4096 1 bf16 5"; do
   (cd /tmp && PYTHONPATH=/tmp/s49_new python3 $ROOT/bench/ab_inproc.py /tmp/s49_base/fa2cpu /tmp/s49_new/fa2cpu $c 2>&1 | tail -n1)
 done 2>&1 | tee $OUT/s49a_ab.log
