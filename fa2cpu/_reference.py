@@ -52,12 +52,12 @@ def _weighted_values(p, v, vis):
     value reaches only the rows that see it (API.md: NaN / inf propagate into the affected rows
     only), where ``0 * inf`` would make every row NaN."""
     bad = ~np.isfinite(v)
-    if not bad.any():
-        return p @ v
-    num = p @ np.where(bad, 0.0, v)
-    for j, d in zip(*np.nonzero(bad)):
-        rows = vis[:, j]
-        with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):  # NaN rows stay NaN, as the contract says
+        if not bad.any():
+            return p @ v
+        num = p @ np.where(bad, 0.0, v)
+        for j, d in zip(*np.nonzero(bad)):
+            rows = vis[:, j]
             num[rows, d] += p[rows, j] * v[j, d]
     return num
 
@@ -268,7 +268,7 @@ def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-
 
         dV  = P^T dO                         summed over the query heads of a GQA group
         dP  = dO V^T
-        dS  = P * (dP - rowsum(P * dP))      (rowsum(P * dP) = rowsum(dO * O))
+        dS  = P * (dP - rowsum(dO * O))      (= rowsum(P * dP) for finite inputs)
         dS *= 1 - tanh(s_raw / softcap)^2    softcap chain rule, s_raw = scale * q.k
         dQ  = scale * dS K,  dK = scale * dS^T Q
 
@@ -301,42 +301,50 @@ def attention_backward_ref(dout, q, k, v, *, causal=False, scale=None, window=(-
         dist = np.abs(np.arange(Nq)[:, None] + Nk - Nq - np.arange(Nk)[None, :]).astype(np.float64)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = np.zeros(Hq)
-    for b in range(B):
-        for h in range(Hq):
-            hk = h // group
-            s_raw = scale * (q[b, h] @ k[b, hk].T)
-            if softcap is not None and softcap > 0:
-                t = np.tanh(s_raw / softcap)
-                s = softcap * t
-            else:
-                t, s = None, s_raw
-            if alibi_slopes is not None:
-                s = s - slopes[b, h] * dist
-            s = np.where(band, s, -np.inf)
-            p = np.zeros_like(s)
-            do = dout[b, h]
-            if sinks is not None:  # the sink as one more column of s, with no value
-                sink = np.full((Nq, 1), float(sinks[h]))
-                full = np.concatenate([s, sink], axis=1)
-                live = ~np.all(np.isneginf(full), axis=1)
-                e = np.zeros_like(full)
-                e[live] = np.exp(full[live] - full[live].max(axis=1, keepdims=True))
-                e[live] /= e[live].sum(axis=1, keepdims=True)
-                p = e[:, :-1]
-                dsinks[h] -= (e[:, -1] * ((p @ v[b, hk]) * do).sum(axis=1)).sum()
-            else:
-                live = ~np.all(np.isneginf(s), axis=1)
-                if live.any():
-                    sl = s[live]
-                    e = np.exp(sl - sl.max(axis=1, keepdims=True))
-                    p[live] = e / e.sum(axis=1, keepdims=True)
-            dv[b, hk] += p.T @ do
-            dp = do @ v[b, hk].T
-            ds = p * (dp - (p * dp).sum(axis=1, keepdims=True))
-            if t is not None:
-                ds = ds * (1.0 - t * t)
-            dq[b, h] = scale * (ds @ k[b, hk])
-            dk[b, hk] += scale * (ds.T @ q[b, h])
+    # inf / NaN inputs: NaN wherever they reach, as the contract says (no warnings for it)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in range(B):
+            for h in range(Hq):
+                hk = h // group
+                s_raw = scale * (q[b, h] @ k[b, hk].T)
+                if softcap is not None and softcap > 0:
+                    t = np.tanh(s_raw / softcap)
+                    s = softcap * t
+                else:
+                    t, s = None, s_raw
+                if alibi_slopes is not None:
+                    s = s - slopes[b, h] * dist
+                s = np.where(band, s, -np.inf)
+                p = np.zeros_like(s)
+                do = dout[b, h]
+                if sinks is not None:  # the sink as one more column of s, with no value
+                    sink = np.full((Nq, 1), float(sinks[h]))
+                    full = np.concatenate([s, sink], axis=1)
+                    live = ~np.all(np.isneginf(full), axis=1)
+                    e = np.zeros_like(full)
+                    e[live] = np.exp(full[live] - full[live].max(axis=1, keepdims=True))
+                    e[live] /= e[live].sum(axis=1, keepdims=True)
+                    p = e[:, :-1]
+                    dsinks[h] -= (e[:, -1] * ((p @ v[b, hk]) * do).sum(axis=1)).sum()
+                else:
+                    live = ~np.all(np.isneginf(s), axis=1)
+                    if live.any():
+                        sl = s[live]
+                        e = np.exp(sl - sl.max(axis=1, keepdims=True))
+                        p[live] = e / e.sum(axis=1, keepdims=True)
+                # A pair the mask hides is absent (P = dS = 0 and no inf / NaN of its operands), as
+                # in the forward (_weighted_values); D_i = rowsum(dO * O), FlashAttention-2's form
+                # (rowsum(P * dP) is the same number for finite inputs, not for infinite ones).
+                p = np.where(band, p, 0.0)  # (a NaN row's max made its hidden columns NaN too)
+                dv[b, hk] += _weighted_values(p.T, do, band.T)
+                dp = np.where(band, do @ v[b, hk].T, 0.0)
+                delta = (do * _weighted_values(p, v[b, hk], band)).sum(axis=1, keepdims=True)
+                ds = p * (dp - delta)
+                if t is not None:
+                    ds = ds * (1.0 - t * t)
+                ds = np.where(band, ds, 0.0)  # (p = 0 there, but D_i may be NaN)
+                dq[b, h] = scale * _weighted_values(ds, k[b, hk], band)
+                dk[b, hk] += scale * _weighted_values(ds.T, q[b, h], band.T)
     if layout == "bshd":
         dq, dk, dv = (x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
     elif rank in (2, 3):

@@ -95,6 +95,12 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         ``(dq, dk, dv, dsinks)``, ``dsinks[h] = -sum_i exp(sinks[h] - lse_i) * sum_d(dout_i * out_i)``
         float32 ``(Hq,)``. (The other gradients need nothing more: P = exp(s - lse) with the sink
         inside lse, and a sink has no value vector.)
+
+    Notes
+    -----
+    A (query, key) pair that causal / the window hides is absent, as in the forward: an inf or
+    NaN in a row of q or dout, or in a key of k, reaches only the gradients of the pairs it is
+    part of that can see each other (D_i is ``rowsum(dout * out)``, FlashAttention-2's form).
     """
     q, k, v, (q4, k4, v4), (B, Hq, Hk, Nq, Nk, D, Dv) = _qkv(q, k, v, layout)
     dout = _data("dout", dout); out = _data("out", out); lse = _data("lse", lse)

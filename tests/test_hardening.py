@@ -739,6 +739,55 @@ def test_nonfinite_value_of_a_hidden_key_varlen_and_kvcache(isa, rng, bad):
                 assert not np.isfinite(out[0, 3:, 2:, 3].astype(np.float32)).any()
 
 
+@pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_nonfinite_input_of_a_hidden_pair_reaches_no_other_gradient(isa, rng, which, bad, dtype):
+    """The backward's side of the rule above: an inf / NaN in q or dout (a row) or in k (a key)
+    reaches only the gradients of pairs causal / the window lets see each other. The updates take
+    P = dS = 0 for hidden pairs, and 0 x inf = NaN made dK / dV of keys a bad row never sees
+    (and dQ of rows that never see a bad key) NaN, on every family. Checked against the
+    reference, whose products leave hidden pairs out the same way."""
+    import ml_dtypes
+    dt = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    for nq, nk, Hq, Hk, D, kw in ((300, 300, 2, 1, 64, dict(causal=True)), (40, 300, 4, 2, 32, dict(causal=True)),
+                                   (200, 200, 2, 2, 128, dict(window=(30, 7))), (7, 7, 1, 1, 16, dict(causal=True))):
+        q, do = rand(rng, (1, Hq, nq, D)).astype(dt), rand(rng, (1, Hq, nq, D)).astype(dt)
+        k, v = rand(rng, (1, Hk, nk, D)).astype(dt), rand(rng, (1, Hk, nk, D)).astype(dt)
+        x = {"q": q, "k": k, "v": v, "dout": do}[which]
+        at = (x.shape[2] * 2) // 5
+        x[0, x.shape[1] - 1, at, 3] = bad
+        out, lse = fa2cpu.flash_attention(q, k, v, return_lse=True, **kw)
+        grads = fa2cpu.flash_attention_backward(do, q, k, v, out, lse, **kw)
+        refs = ref.attention_backward_ref(do, q, k, v, **kw)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+            check_close(g, r, dtype, what=f"{name} ({which}, {nq}x{nk}, {kw})")
+        if which in ("q", "dout"):  # keys the bad row cannot see keep finite dK / dV
+            vis = ref.visible_band(nq, nk, causal=kw.get("causal", False), window=kw.get("window", (-1, -1)))
+            unseen = ~vis[at]
+            for g in grads[1:]:
+                assert np.isfinite(g[0, Hk - 1, unseen].astype(np.float32)).all(), (which, kw)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "dout"])
+def test_nonfinite_input_of_a_hidden_pair_varlen_backward(isa, rng, which):
+    """The same through the varlen backward (rows and keys found through cu_seqlens): two
+    sequences, a NaN in the second, causal; each sequence against the reference."""
+    import ml_dtypes
+    dt = ml_dtypes.bfloat16
+    cu = np.array([0, 70, 250])
+    q, do = rand(rng, (250, 4, 32)).astype(dt), rand(rng, (250, 4, 32)).astype(dt)
+    k, v = rand(rng, (250, 2, 32)).astype(dt), rand(rng, (250, 2, 32)).astype(dt)
+    {"q": q, "k": k, "dout": do}[which][150, 3 if which != "k" else 1, 5] = np.nan
+    out, lse = fa2cpu.flash_attention_varlen(q, k, v, cu, cu, causal=True, return_lse=True)
+    grads = fa2cpu.flash_attention_varlen_backward(do, q, k, v, out, lse, cu, cu, causal=True)
+    for a, z in zip(cu[:-1], cu[1:]):
+        t = lambda x: x[a:z].transpose(1, 0, 2)
+        refs = ref.attention_backward_ref(t(do), t(q), t(k), t(v), causal=True)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+            check_close(t(g), r, "bfloat16", what=f"{name} ({which}, rows {a}:{z})")
+
+
 def test_append_targets_that_alias_are_refused_before_writing():
     """An append into a writable zero-stride cache (rows shared between sequences), into one array
     given as both caches, or into one array given as both scales: ValueError, nothing written."""

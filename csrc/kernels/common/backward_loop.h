@@ -53,6 +53,7 @@
 // rows continues across the run's blocks; same bits as block by block). No Nq x Nk buffer exists.
 #pragma once
 #include <type_traits>
+#include <vector>
 
 #include "gemm_f32.h"
 #include "kernel.h"
@@ -350,17 +351,20 @@ struct BackwardLoop {
         const bool raw_keys = raw && p.k_dim_stride == 1 && p.v_dim_stride == 1;
         const bool raw_rows = raw && p.q_dim_stride == 1 && bp.dout_dim_stride == 1 && p.out_dim_stride == 1;
         auto bf16_at = [](const void* base, int64_t off) { return static_cast<const uint16_t*>(base) + off; };
+        Careful cf(bp, it);
         for (int64_t c = 0; c < nkeys; ++c) {
+            float krow[kMaxHeadDim], vrow[kMaxHeadDim];
+            const void* kp = elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt);
+            const bool bad = cf.hides && row_nonfinite(kp, D, p.k_dim_stride, dt);
             if constexpr (kRawBf16) {
-                if (raw_keys) {
+                if (raw_keys && !bad) {
                     P::pack_key_raw(ops, c, bf16_at(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head),
                                     bf16_at(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head), D, Dv);
                     continue;
                 }
             }
-            float krow[kMaxHeadDim], vrow[kMaxHeadDim];
-            V::load_row(krow, elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt),
-                        D, p.k_dim_stride, dt);
+            V::load_row(krow, kp, D, p.k_dim_stride, dt);
+            if (bad) cf.bad_key(c, krow);
             V::load_row(vrow, elem_ptr(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head, dt),
                         Dv, p.v_dim_stride, dt);
             P::pack_key(ops, c, krow, vrow, D, Dv);
@@ -375,6 +379,7 @@ struct BackwardLoop {
             const int64_t M = round_up(GRr, P::kRowAlign);
             // Rows: pack Q and dO, D_i, log2 LSE, visible ranges, alibi.
             int64_t glo = it.ke, ghi = it.kb - 1;
+            cf.start_group(g0);
             for (int64_t r = 0; r < M; ++r) {
                 float qrow[kMaxHeadDim], orow[kMaxHeadDim], od[kMaxHeadDim];
                 if (r >= GRr) {  // padding: zero operands, P = 0, never decides a skip
@@ -388,8 +393,11 @@ struct BackwardLoop {
                 const int64_t do_at = q_row_offset(p, b, i, bp.dout_batch_stride, bp.dout_row_stride) + h * bp.dout_head_stride;
                 const int64_t o_at = q_row_offset(p, b, i, p.out_batch_stride, p.out_row_stride) + h * p.out_head_stride;
                 bool packed = false;
+                // (only under causal / a window can a non-finite q / dO element reach a pair that does not see it)
+                const bool bad = cf.hides && (row_nonfinite(elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt) ||
+                                              row_nonfinite(elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt));
                 if constexpr (kRawBf16) {
-                    if (raw_rows) {
+                    if (raw_rows && !bad) {
                         delta[r] = P::pack_row_raw(ops, r, bf16_at(p.q, q_at), bf16_at(bp.dout, do_at), bf16_at(p.out, o_at), D, Dv);
                         packed = true;
                     }
@@ -398,8 +406,9 @@ struct BackwardLoop {
                     V::load_row(qrow, elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt);
                     V::load_row(od, elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt);
                     V::load_row(orow, elem_ptr(p.out, o_at, dt), Dv, p.out_dim_stride, dt);
+                    delta[r] = row_dot(od, orow, Dv);  // from dO as it is
+                    if (bad) cf.bad_row(r, qrow, od);
                     P::pack_row(ops, r, qrow, od, D, Dv);
-                    delta[r] = row_dot(od, orow, Dv);
                 }
                 const float lse = p.lse[q_row_offset(p, b, i, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride];
                 lse2[r] = lse == -INFINITY ? INFINITY : lse * kLog2e;  // no visible key: P = 0, not NaN
@@ -444,6 +453,7 @@ struct BackwardLoop {
                     float* sb = s + run_blocks * kSlot;
                     float* dpb = dp + run_blocks * kSlot;
                     P::scores(ops, nv, r0, ck, n, D, Dv, sb, dpb);
+                    if (cf.any()) cf.fix_scores(r0, rend, cb, n, sb, dpb);
                     gradients(ops, p, nv, r0, cb, n, range_mask, first_key, last_key, diagonal, slope, lse2, delta, sb, dpb);
                     run_end = rend;
                     run_nv = nv;
@@ -451,6 +461,7 @@ struct BackwardLoop {
                 }
                 flush();
             }
+            if (cf.any()) cf.add_seen(GRr, first_key, last_key, dkall, ldq, dvall, ldo, dqT);
             store_dq(bp, it, g0, GRr, dqT, dq_part);
         }
         for (int64_t c = 0; c < nkeys; ++c) {
@@ -460,6 +471,163 @@ struct BackwardLoop {
             V::store_row(bp.dv, v_at, bp.dv_dim_stride, dvall + c * ldo, Dv, dt);
         }
     }
+
+    static bool finite(const float* x, int64_t n) { return all_finite<V>(x, n); }
+
+    // ---- non-finite operands of pairs a row cannot see -------------------------------------
+    // The updates take every (row, key) pair of a block with P = dS = 0 where causal / a window
+    // hides the key from the row, and 0 x inf = NaN would carry an inf / NaN of q or dO into
+    // dK / dV of keys the row never sees, and one of k into dQ of rows that never see it (API.md:
+    // NaN / inf propagate into the affected rows only). Under causal / a window, a row or key
+    // holding one is packed with those elements 0 (both of its layouts; D_i from dO as it is);
+    // the scores of its pairs (S, dP: raw dot products) then get the lost elements' products back,
+    // so P and dS of visible pairs are what the elements make them; and every visible pair adds
+    // its share of the lost elements after the products: to dV, dO's element (p x dO for p > 0:
+    // finite q and k) or NaN (then p is NaN or 0: an inf / NaN score); to dK and dQ, NaN (dS is
+    // NaN or 0 wherever q or k is not finite). Rows and keys without one take the usual path:
+    // nothing but the check (one pass over each packed row) costs anything.
+    struct Careful {
+        const BackwardParams& bp;
+        const BackwardItem& it;
+        const bool hides;
+        int64_t g0 = 0;
+        int32_t *keys = nullptr, *rows = nullptr;  // item key indices / group row indices with a non-finite element
+        int64_t nkeys_bad = 0, nrows_bad = 0;
+        Careful(const BackwardParams& b, const BackwardItem& i)
+            : bp(b), it(i), hides(b.f.window_left >= 0 || b.f.window_right >= 0) {}
+        bool any() const { return nkeys_bad > 0 || nrows_bad > 0; }
+        void start_group(int64_t first) { g0 = first; nrows_bad = 0; }
+        // Rows of the inputs as float32: key c of the item (K, V), row r of the item (q, dO).
+        void load_k(int64_t c, float* x) const { load_key(bp.f.k, bp.f.k_batch_stride, bp.f.k_row_stride, bp.f.k_head_stride, bp.f.k_dim_stride, bp.f.d, c, x); }
+        void load_v(int64_t c, float* x) const { load_key(bp.f.v, bp.f.v_batch_stride, bp.f.v_row_stride, bp.f.v_head_stride, bp.f.v_dim_stride, bp.f.dv, c, x); }
+        void load_key(const void* base, int64_t bs, int64_t rs, int64_t hs, int64_t ds, int64_t n, int64_t c, float* x) const {
+            const DType dt = DType(bp.f.dtype);
+            V::load_row(x, elem_ptr(base, k_row_offset(bp.f, it.b, it.kb + c, bs, rs) + it.kv_head * hs, dt), n, ds, dt);
+        }
+        void load_q(int64_t row, float* x) const { load_query(bp.f.q, bp.f.q_batch_stride, bp.f.q_row_stride, bp.f.q_head_stride, bp.f.q_dim_stride, bp.f.d, row, x); }
+        void load_do(int64_t row, float* x) const { load_query(bp.dout, bp.dout_batch_stride, bp.dout_row_stride, bp.dout_head_stride, bp.dout_dim_stride, bp.f.dv, row, x); }
+        void load_query(const void* base, int64_t bs, int64_t rs, int64_t hs, int64_t ds, int64_t n, int64_t row, float* x) const {
+            const Params& p = bp.f;
+            const DType dt = DType(p.dtype);
+            const int64_t nqi = it.i1 - it.i0, h = it.kv_head * (p.hq / p.hk) + row / nqi, i = it.i0 + row % nqi;
+            V::load_row(x, elem_ptr(base, q_row_offset(p, it.b, i, bs, rs) + h * hs, dt), n, ds, dt);
+        }
+        static void zero_nonfinite(float* x, int64_t n) {
+            for (int64_t d = 0; d < n; ++d) if (!std::isfinite(x[d])) x[d] = 0.f;
+        }
+        void bad_key(int64_t c, float* krow) {
+            if (!grow(0, nkeys_bad + 1)) return;  // no memory: the key as it is
+            keys = storage(0);
+            keys[nkeys_bad++] = int32_t(c);
+            zero_nonfinite(krow, bp.f.d);
+        }
+        void bad_row(int64_t r, float* qrow, float* od) {
+            if (!grow(1, nrows_bad + 1)) return;
+            rows = storage(1);
+            rows[nrows_bad++] = int32_t(r);
+            zero_nonfinite(qrow, bp.f.d);
+            zero_nonfinite(od, bp.f.dv);
+        }
+        // Thread-local growable lists (0 keys, 1 rows); false without memory.
+        static std::vector<int32_t>& vec_of(int k) {
+            static thread_local std::vector<int32_t> v[2];
+            return v[k];
+        }
+        static bool grow(int k, int64_t n) {
+            std::vector<int32_t>& v = vec_of(k);
+            if (int64_t(v.size()) >= n) return true;
+            try { v.resize(size_t(std::max<int64_t>(n, 2 * int64_t(v.size())))); } catch (...) { return false; }
+            return true;
+        }
+        static int32_t* storage(int k) { return vec_of(k).data(); }
+        // The non-finite elements of a row: their features and values.
+        struct Lost {
+            int32_t d[kMaxHeadDim];
+            float x[kMaxHeadDim];
+            int64_t n = 0;
+            Lost(const float* row, int64_t features) {
+                for (int64_t f = 0; f < features; ++f)
+                    if (!std::isfinite(row[f])) { d[n] = int32_t(f); x[n++] = row[f]; }
+            }
+        };
+        // One element of the inputs as float32: feature d of key c (K or V), of item row `row` (q).
+        float key_elem(const void* base, int64_t bs, int64_t rs, int64_t hs, int64_t ds, int64_t c, int64_t d) const {
+            const DType dt = DType(bp.f.dtype);
+            float x;
+            load_row_scalar(&x, elem_ptr(base, k_row_offset(bp.f, it.b, it.kb + c, bs, rs) + it.kv_head * hs + d * ds, dt), 1, 1, dt);
+            return x;
+        }
+        float k_elem(int64_t c, int64_t d) const { return key_elem(bp.f.k, bp.f.k_batch_stride, bp.f.k_row_stride, bp.f.k_head_stride, bp.f.k_dim_stride, c, d); }
+        float v_elem(int64_t c, int64_t d) const { return key_elem(bp.f.v, bp.f.v_batch_stride, bp.f.v_row_stride, bp.f.v_head_stride, bp.f.v_dim_stride, c, d); }
+        float q_elem(int64_t row, int64_t d) const {
+            const Params& p = bp.f;
+            const DType dt = DType(p.dtype);
+            const int64_t nqi = it.i1 - it.i0, h = it.kv_head * (p.hq / p.hk) + row / nqi, i = it.i0 + row % nqi;
+            float x;
+            load_row_scalar(&x, elem_ptr(p.q, q_row_offset(p, it.b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride + d * p.q_dim_stride, dt), 1, 1, dt);
+            return x;
+        }
+        bool key_is_bad(int64_t c) const {
+            for (int64_t e = 0; e < nkeys_bad; ++e) if (keys[e] == c) return true;
+            return false;
+        }
+        // S and dP of rows [r0, rend) (group rows) x keys [cb, cb + n) (positions) in s / dp
+        // ([key][RB], row lane r - r0): the products of the elements packing set to 0.
+        void fix_scores(int64_t r0, int64_t rend, int64_t cb, int64_t n, float* s, float* dp) const {
+            const Params& p = bp.f;
+            float x[kMaxHeadDim];
+            for (int64_t e = 0; e < nkeys_bad; ++e) {  // a key's lost elements, with every row
+                const int64_t c = keys[e], at = it.kb + c - cb;
+                if (at < 0 || at >= n) continue;
+                load_k(c, x);
+                const Lost lk(x, p.d);
+                for (int64_t r = r0; r < rend; ++r)
+                    for (int64_t j = 0; j < lk.n; ++j) s[at * RB + (r - r0)] += lk.x[j] * q_elem(g0 + r, lk.d[j]);
+            }
+            for (int64_t e = 0; e < nrows_bad; ++e) {  // a row's lost elements, with every key
+                const int64_t r = rows[e];
+                if (r < r0 || r >= rend) continue;
+                load_q(g0 + r, x);
+                const Lost lq(x, p.d);
+                load_do(g0 + r, x);
+                const Lost lo(x, p.dv);
+                for (int64_t at = 0; at < n; ++at) {
+                    const int64_t c = cb + at - it.kb;
+                    for (int64_t j = 0; j < lq.n; ++j) s[at * RB + (r - r0)] += lq.x[j] * k_elem(c, lq.d[j]);
+                    for (int64_t j = 0; j < lo.n; ++j) dp[at * RB + (r - r0)] += lo.x[j] * v_elem(c, lo.d[j]);
+                }
+            }
+        }
+        // After a group's updates: each visible pair's share of the lost elements (see above).
+        void add_seen(int64_t rows_real, const int64_t* first_key, const int64_t* last_key, float* dkall, int64_t ldq,
+                      float* dvall, int64_t ldo, float* dqT) const {
+            const Params& p = bp.f;
+            const int64_t Dq = P::dq_features(p.d);
+            float x[kMaxHeadDim];
+            for (int64_t e = 0; e < nrows_bad; ++e) {
+                const int64_t r = rows[e];
+                load_q(g0 + r, x);
+                const Lost lq(x, p.d);
+                load_do(g0 + r, x);
+                const Lost lo(x, p.dv);
+                for (int64_t key = first_key[r]; key <= last_key[r]; ++key) {
+                    const int64_t c = key - it.kb;
+                    const bool nan_p = lq.n > 0 || key_is_bad(c);  // p is NaN or 0 there, else > 0
+                    for (int64_t j = 0; j < lq.n; ++j) dkall[c * ldq + lq.d[j]] += NAN;
+                    for (int64_t j = 0; j < lo.n; ++j) dvall[c * ldo + lo.d[j]] += nan_p ? NAN : lo.x[j];
+                }
+            }
+            for (int64_t e = 0; e < nkeys_bad; ++e) {
+                const int64_t c = keys[e], key = it.kb + c;
+                load_k(c, x);
+                const Lost lk(x, p.d);
+                for (int64_t r = 0; r < rows_real; ++r) {
+                    if (key < first_key[r] || key > last_key[r]) continue;
+                    for (int64_t j = 0; j < lk.n; ++j) dqT[panel(r, Dq, lk.d[j])] += NAN;
+                }
+            }
+        }
+    };
 
     // D_i = sum_j dO[j] O[j]: W lanes of partial sums (then in lane order), the tail one by one.
     static float row_dot(const float* a, const float* b, int64_t n) {

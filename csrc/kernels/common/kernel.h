@@ -3,6 +3,7 @@
 // different -m flags in different translation units, and inline functions with external linkage
 // could be merged by the linker across them (an AVX-512 copy running on an AVX2 machine).
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -265,6 +266,24 @@ inline const float* f8e4m3_values() {
         Table() { for (int i = 0; i < 256; ++i) v[i] = f8e4m3_to_f32(uint8_t(i)); }
     } table;
     return table.v;
+}
+
+// Whether n elements (stride in elements) of a float type hold an inf / NaN, by their exponent
+// bits (all ones): a pass the compiler vectorises for unit strides, no conversion.
+inline bool row_nonfinite(const void* src, int64_t n, int64_t stride, DType dt) {
+    if (dt == DType::f32) {
+        const uint32_t* u = static_cast<const uint32_t*>(src);
+        uint32_t m = ~0u;  // 0 once an element's exponent bits are all ones
+        if (stride == 1) for (int64_t j = 0; j < n; ++j) m = std::min(m, (u[j] & 0x7f800000u) ^ 0x7f800000u);
+        else for (int64_t j = 0; j < n; ++j) m = std::min(m, (u[j * stride] & 0x7f800000u) ^ 0x7f800000u);
+        return m == 0;
+    }
+    const uint16_t e = dt == DType::bf16 ? 0x7f80 : 0x7c00;
+    const uint16_t* u = static_cast<const uint16_t*>(src);
+    uint16_t m = 0xffff;
+    if (stride == 1) for (int64_t j = 0; j < n; ++j) m = std::min<uint16_t>(m, uint16_t((u[j] & e) ^ e));
+    else for (int64_t j = 0; j < n; ++j) m = std::min<uint16_t>(m, uint16_t((u[j * stride] & e) ^ e));
+    return m == 0;
 }
 
 // Reads n elements (stride in elements) of dtype dt as float32.

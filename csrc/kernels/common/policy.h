@@ -63,6 +63,25 @@ struct RowBlock {
 // (full / causal).
 template <class V, class = void>
 struct HasTranspose16 : std::false_type {};
+// Whether n floats hold no inf / NaN: x - x is NaN exactly there, summed in vectors and looked
+// at once (the non-finite checks of tile_loop.h and backward_loop.h).
+template <class V>
+inline bool all_finite(const float* x, int64_t n) {
+    constexpr int W = V::W;
+    typename V::vec acc = V::zero();
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+        const typename V::vec y = V::load(x + j);
+        acc = V::add(acc, V::sub(y, y));
+    }
+    alignas(64) float lanes[W];
+    V::store(lanes, acc);
+    float t = 0.f;
+    for (int l = 0; l < W; ++l) t += lanes[l];
+    for (; j < n; ++j) t += x[j] - x[j];
+    return t == t;
+}
+
 template <class V>
 struct HasTranspose16<V, std::void_t<decltype(&V::transpose16)>> : std::true_type {};
 template <class V>

@@ -248,21 +248,7 @@ struct TileLoop {
         }
         return false;
     }
-    // Whether n floats hold no inf / NaN (x - x is NaN exactly there).
-    static bool finite(const float* x, int64_t n) {
-        vec acc = V::zero();
-        int64_t j = 0;
-        for (; j + W <= n; j += W) {
-            const vec y = V::load(x + j);
-            acc = V::add(acc, V::sub(y, y));
-        }
-        alignas(64) float lanes[W];
-        V::store(lanes, acc);
-        float t = 0.f;
-        for (int l = 0; l < W; ++l) t += lanes[l];
-        for (; j < n; ++j) t += x[j] - x[j];
-        return t == t;
-    }
+    static bool finite(const float* x, int64_t n) { return all_finite<V>(x, n); }
 
     // ---- non-finite V values of keys a row cannot see --------------------------------------
     // The policies' PV products take every key of a tile for every row of a block, with P = 0 for
@@ -411,27 +397,12 @@ struct TileLoop {
             default: return f8e4m3_values()[static_cast<const uint8_t*>(p.v)[at]] * v_row_scale(p, it, pos, h);
         }
     }
-    // Whether V row (pos, h) holds an inf / NaN: float types by their exponent bits (a pass the
-    // compiler vectorises for unit strides), codes element by element (caches only).
+    // Whether V row (pos, h) holds an inf / NaN: float types by their exponent bits (kernel.h),
+    // codes element by element (caches only).
     static bool v_row_nonfinite(const Params& p, const WorkItem& it, int64_t pos, int64_t h) {
         const DType ct = kv_dtype(p);
-        const int64_t n = p.dv, ds = p.v_dim_stride, at = v_row_at(p, it, pos, h);
-        if (ct == DType::f32) {
-            const uint32_t* u = static_cast<const uint32_t*>(p.v) + at;
-            uint32_t m = ~0u;  // 0 once an element's exponent bits are all ones
-            if (ds == 1) for (int64_t j = 0; j < n; ++j) m = std::min(m, (u[j] & 0x7f800000u) ^ 0x7f800000u);
-            else for (int64_t j = 0; j < n; ++j) m = std::min(m, (u[j * ds] & 0x7f800000u) ^ 0x7f800000u);
-            return m == 0;
-        }
-        if (ct == DType::bf16 || ct == DType::f16) {
-            const uint16_t e = ct == DType::bf16 ? 0x7f80 : 0x7c00;
-            const uint16_t* u = static_cast<const uint16_t*>(p.v) + at;
-            uint16_t m = 0xffff;
-            if (ds == 1) for (int64_t j = 0; j < n; ++j) m = std::min<uint16_t>(m, uint16_t((u[j] & e) ^ e));
-            else for (int64_t j = 0; j < n; ++j) m = std::min<uint16_t>(m, uint16_t((u[j * ds] & e) ^ e));
-            return m == 0;
-        }
-        for (int64_t d = 0; d < n; ++d)
+        if (!is_code_dtype(ct)) return row_nonfinite(elem_ptr(p.v, v_row_at(p, it, pos, h), ct), p.dv, p.v_dim_stride, ct);
+        for (int64_t d = 0; d < p.dv; ++d)
             if (!std::isfinite(v_value(p, it, pos, h, d))) return true;
         return false;
     }
