@@ -497,20 +497,45 @@ struct BackwardLoop {
             : bp(b), it(i), hides(b.f.window_left >= 0 || b.f.window_right >= 0) {}
         bool any() const { return nkeys_bad > 0 || nrows_bad > 0; }
         void start_group(int64_t first) { g0 = first; nrows_bad = 0; }
-        // Rows of the inputs as float32: key c of the item (K, V), row r of the item (q, dO).
-        void load_k(int64_t c, float* x) const { load_key(bp.f.k, bp.f.k_batch_stride, bp.f.k_row_stride, bp.f.k_head_stride, bp.f.k_dim_stride, bp.f.d, c, x); }
-        void load_v(int64_t c, float* x) const { load_key(bp.f.v, bp.f.v_batch_stride, bp.f.v_row_stride, bp.f.v_head_stride, bp.f.v_dim_stride, bp.f.dv, c, x); }
-        void load_key(const void* base, int64_t bs, int64_t rs, int64_t hs, int64_t ds, int64_t n, int64_t c, float* x) const {
-            const DType dt = DType(bp.f.dtype);
-            V::load_row(x, elem_ptr(base, k_row_offset(bp.f, it.b, it.kb + c, bs, rs) + it.kv_head * hs, dt), n, ds, dt);
+        // Element offsets of key c of the item (arrays laid out like k) and of item row `row`
+        // (like q); rows and elements of the inputs as float32.
+        int64_t key_at(int64_t c, int64_t bs, int64_t rs, int64_t hs) const {
+            return k_row_offset(bp.f, it.b, it.kb + c, bs, rs) + it.kv_head * hs;
         }
-        void load_q(int64_t row, float* x) const { load_query(bp.f.q, bp.f.q_batch_stride, bp.f.q_row_stride, bp.f.q_head_stride, bp.f.q_dim_stride, bp.f.d, row, x); }
-        void load_do(int64_t row, float* x) const { load_query(bp.dout, bp.dout_batch_stride, bp.dout_row_stride, bp.dout_head_stride, bp.dout_dim_stride, bp.f.dv, row, x); }
-        void load_query(const void* base, int64_t bs, int64_t rs, int64_t hs, int64_t ds, int64_t n, int64_t row, float* x) const {
+        int64_t row_at(int64_t row, int64_t bs, int64_t rs, int64_t hs) const {
             const Params& p = bp.f;
-            const DType dt = DType(p.dtype);
             const int64_t nqi = it.i1 - it.i0, h = it.kv_head * (p.hq / p.hk) + row / nqi, i = it.i0 + row % nqi;
-            V::load_row(x, elem_ptr(base, q_row_offset(p, it.b, i, bs, rs) + h * hs, dt), n, ds, dt);
+            return q_row_offset(p, it.b, i, bs, rs) + h * hs;
+        }
+        DType dt() const { return DType(bp.f.dtype); }
+        float elem(const void* base, int64_t at) const {
+            float x;
+            load_row_scalar(&x, elem_ptr(base, at, dt()), 1, 1, dt());
+            return x;
+        }
+        void load_k(int64_t c, float* x) const {
+            const Params& p = bp.f;
+            V::load_row(x, elem_ptr(p.k, key_at(c, p.k_batch_stride, p.k_row_stride, p.k_head_stride), dt()), p.d, p.k_dim_stride, dt());
+        }
+        void load_q(int64_t row, float* x) const {
+            const Params& p = bp.f;
+            V::load_row(x, elem_ptr(p.q, row_at(row, p.q_batch_stride, p.q_row_stride, p.q_head_stride), dt()), p.d, p.q_dim_stride, dt());
+        }
+        void load_do(int64_t row, float* x) const {
+            V::load_row(x, elem_ptr(bp.dout, row_at(row, bp.dout_batch_stride, bp.dout_row_stride, bp.dout_head_stride), dt()),
+                        bp.f.dv, bp.dout_dim_stride, dt());
+        }
+        float k_elem(int64_t c, int64_t d) const {
+            const Params& p = bp.f;
+            return elem(p.k, key_at(c, p.k_batch_stride, p.k_row_stride, p.k_head_stride) + d * p.k_dim_stride);
+        }
+        float v_elem(int64_t c, int64_t d) const {
+            const Params& p = bp.f;
+            return elem(p.v, key_at(c, p.v_batch_stride, p.v_row_stride, p.v_head_stride) + d * p.v_dim_stride);
+        }
+        float q_elem(int64_t row, int64_t d) const {
+            const Params& p = bp.f;
+            return elem(p.q, row_at(row, p.q_batch_stride, p.q_row_stride, p.q_head_stride) + d * p.q_dim_stride);
         }
         static void zero_nonfinite(float* x, int64_t n) {
             for (int64_t d = 0; d < n; ++d) if (!std::isfinite(x[d])) x[d] = 0.f;
@@ -550,23 +575,6 @@ struct BackwardLoop {
                     if (!std::isfinite(row[f])) { d[n] = int32_t(f); x[n++] = row[f]; }
             }
         };
-        // One element of the inputs as float32: feature d of key c (K or V), of item row `row` (q).
-        float key_elem(const void* base, int64_t bs, int64_t rs, int64_t hs, int64_t ds, int64_t c, int64_t d) const {
-            const DType dt = DType(bp.f.dtype);
-            float x;
-            load_row_scalar(&x, elem_ptr(base, k_row_offset(bp.f, it.b, it.kb + c, bs, rs) + it.kv_head * hs + d * ds, dt), 1, 1, dt);
-            return x;
-        }
-        float k_elem(int64_t c, int64_t d) const { return key_elem(bp.f.k, bp.f.k_batch_stride, bp.f.k_row_stride, bp.f.k_head_stride, bp.f.k_dim_stride, c, d); }
-        float v_elem(int64_t c, int64_t d) const { return key_elem(bp.f.v, bp.f.v_batch_stride, bp.f.v_row_stride, bp.f.v_head_stride, bp.f.v_dim_stride, c, d); }
-        float q_elem(int64_t row, int64_t d) const {
-            const Params& p = bp.f;
-            const DType dt = DType(p.dtype);
-            const int64_t nqi = it.i1 - it.i0, h = it.kv_head * (p.hq / p.hk) + row / nqi, i = it.i0 + row % nqi;
-            float x;
-            load_row_scalar(&x, elem_ptr(p.q, q_row_offset(p, it.b, i, p.q_batch_stride, p.q_row_stride) + h * p.q_head_stride + d * p.q_dim_stride, dt), 1, 1, dt);
-            return x;
-        }
         bool key_is_bad(int64_t c) const {
             for (int64_t e = 0; e < nkeys_bad; ++e) if (keys[e] == c) return true;
             return false;

@@ -254,15 +254,16 @@ struct TileLoop {
     // The policies' PV products take every key of a tile for every row of a block, with P = 0 for
     // keys a row cannot see (causal / window edges, masks), and 0 x inf = NaN would carry an inf /
     // NaN in such a key's V into rows that never see it (API.md: NaN / inf propagate into the
-    // affected rows only). An item whose blocks hid keys and whose O then holds an inf / NaN
-    // (run_pass; checking O costs one pass over it per item) and whose V rows do too runs
-    // again, carefully: the V rows
-    // of keys each block hides are scanned (dirty); where a non-finite value turns up (garbage
-    // in a padding slot), such
-    // blocks' PV reads a copy of the tile with those elements (codes, scales) 0, and every row
-    // that sees such a key gets the element added to its output after normalisation (nf): +-inf
-    // or NaN, what p x v is for any p > 0. Rows that do not see it get the bits of a call whose V
-    // holds 0 there. The copy and nf live in thread-local memory taken only then.
+    // affected rows only). An item whose blocks hid keys, whose O then holds an inf / NaN in a
+    // row with a finite sum (leaked: only V can have put it there) and whose V rows hold one
+    // runs again, carefully (run_pass; the checks cost one pass over O per such item): the V
+    // rows of the keys each block hides are scanned (dirty); where one holds an inf / NaN
+    // (garbage in a padding slot), the block's PV reads a copy of the tile with those elements
+    // (codes, scales) 0, and every row that sees such a key gets the element added to its
+    // output after normalisation (nf): +-inf or NaN, what p x v is for any p > 0. Rows that do
+    // not see it get the bits of a call whose V holds 0 there. The copy and nf live in
+    // thread-local memory taken only then (bench/RESULTS.md, session 49: no cost measurable
+    // without such values; NaN q rows 1.04x, an inf in V at hidden keys 2.5x).
     struct Hidden {
         const int64_t kvh;            // kv heads of the item's rows
         int64_t scanned_c0 = -1;      // the tile whose non-finite keys are listed in bad
@@ -304,17 +305,9 @@ struct TileLoop {
         }
         // Whether V rows [from, to) of the item's heads hold an inf / NaN.
         bool any_nonfinite(const Params& p, const WorkItem& it, int64_t from, int64_t to) const {
-            const DType ct = kv_dtype(p);
-            alignas(64) float buf[kMaxHeadDim];
             for (int64_t pos = from; pos < to; ++pos)
-                for (int64_t h = 0; h < kvh; ++h) {
-                    if (is_code_dtype(ct)) {
-                        if (v_row_nonfinite(p, it, pos, h)) return true;
-                        continue;
-                    }
-                    V::load_row(buf, elem_ptr(p.v, v_row_at(p, it, pos, h), ct), p.dv, p.v_dim_stride, ct);
-                    if (!finite(buf, p.dv)) return true;
-                }
+                for (int64_t h = 0; h < kvh; ++h)
+                    if (v_row_nonfinite(p, it, pos, h)) return true;
             return false;
         }
         // The tile with its non-finite V values 0, as the policy reads it (built once per tile);
