@@ -490,15 +490,8 @@ cdef extern from *:
     static size_t fa2cpu_kept_bytes = 0;
     static std::mutex fa2cpu_kept_mutex;  // the GIL guards every caller; this, builds without one
     // FA2CPU_KEEP_GRADIENTS_MB (read once, at import): MiB kept; unset, empty or not a
-    // non-negative integer: 256.
-    static size_t fa2cpu_keep_limit_from_env() {
-        const char* s = std::getenv("FA2CPU_KEEP_GRADIENTS_MB");
-        if (!s || !*s) return size_t(256) << 20;
-        char* end = nullptr;
-        const long long v = std::strtoll(s, &end, 10);
-        return end && *end == 0 && v >= 0 ? size_t(v < (1LL << 30) ? v : (1LL << 30)) << 20 : size_t(256) << 20;
-    }
-    static const size_t fa2cpu_keep_limit = fa2cpu_keep_limit_from_env();
+    // non-negative integer: 256 (driver.h env_count).
+    static const size_t fa2cpu_keep_limit = size_t(fa2cpu::env_count("FA2CPU_KEEP_GRADIENTS_MB", 256, int64_t(1) << 30)) << 20;
     // A kept block of exactly nbytes (the newest such), else new memory; null when out of memory.
     static void* fa2cpu_take_block(size_t nbytes) {
         {

@@ -46,6 +46,14 @@ thread_local ThreadScratch tls_scratch;
 
 float* thread_scratch(int64_t floats) { return tls_scratch.get(floats); }
 
+int64_t env_count(const char* name, int64_t fallback, int64_t max) {
+    const char* s = std::getenv(name);
+    if (!s || !*s) return fallback;
+    char* end = nullptr;
+    const long long v = std::strtoll(s, &end, 10);
+    return end && *end == 0 && v >= 0 ? std::min<int64_t>(v, max) : fallback;
+}
+
 float* alloc_large(size_t bytes) {
     constexpr size_t kHuge = size_t(2) << 20;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)

@@ -1,6 +1,7 @@
 // What the driver's entry points (driver.cpp: forward, backward.cpp: backward) share. Built with
 // no -m flags, like them.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "fa2cpu/fa2cpu.h"
@@ -15,6 +16,11 @@ void check_params(const Params& p, const char* entry);
 // The calling thread's scratch of at least `floats` floats (64-byte aligned), reused across calls
 // (the pool keeps its threads alive); nullptr when it cannot be allocated.
 float* thread_scratch(int64_t floats);
+
+// The environment variable `name` as a count: unset, empty or not a non-negative integer (whole
+// string) gives `fallback`, larger values `max`. For settings read once, at load
+// (FA2CPU_SPIN_US, FA2CPU_KEEP_GRADIENTS_MB): a bad value never fails an import.
+int64_t env_count(const char* name, int64_t fallback, int64_t max);
 
 // `bytes` of memory (64-byte aligned; nullptr when it cannot be allocated; free with std::free)
 // for a call's large buffers (the backward's dq partials, the forward's shared K/V tiles). From

@@ -1,5 +1,6 @@
 // Thread pool of the driver (contract and reasons in pool.h). Built with no -m flags.
 #include "pool.h"
+#include "driver.h"
 
 #include <omp.h>
 #include <pthread.h>
@@ -30,14 +31,7 @@ namespace {
 // ~50-300 us (two per layer per token), and waking a sleeping thread costs ~10-50 us. Bounded, so
 // a process that stops calling leaves the cores to others soon after. FA2CPU_SPIN_US overrides
 // it (read once, at load; 0 = sleep at once).
-std::chrono::microseconds idle_spin_from_env() {
-    const char* s = std::getenv("FA2CPU_SPIN_US");
-    if (!s || !*s) return std::chrono::microseconds(200);
-    char* end = nullptr;
-    const long long v = std::strtoll(s, &end, 10);
-    return std::chrono::microseconds(end && *end == 0 && v >= 0 ? std::min(v, 10000000LL) : 200);
-}
-const std::chrono::microseconds kIdleSpin = idle_spin_from_env();
+const std::chrono::microseconds kIdleSpin(env_count("FA2CPU_SPIN_US", 200, 10000000));
 // A caller whose own items are done spins this long for helpers still finishing theirs, then
 // yields its core between checks (a descheduled helper then costs the caller nothing but latency).
 constexpr auto kWaitSpin = std::chrono::microseconds(100);

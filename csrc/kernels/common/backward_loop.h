@@ -53,7 +53,6 @@
 // rows continues across the run's blocks; same bits as block by block). No Nq x Nk buffer exists.
 #pragma once
 #include <type_traits>
-#include <vector>
 
 #include "gemm_f32.h"
 #include "kernel.h"
@@ -540,31 +539,21 @@ struct BackwardLoop {
         static void zero_nonfinite(float* x, int64_t n) {
             for (int64_t d = 0; d < n; ++d) if (!std::isfinite(x[d])) x[d] = 0.f;
         }
+        // (lists of at most the item's keys / a group's rows, in kernel.h's rare_memory; without
+        // memory the key or row stays as it is)
         void bad_key(int64_t c, float* krow) {
-            if (!grow(0, nkeys_bad + 1)) return;  // no memory: the key as it is
-            keys = storage(0);
+            if (!keys) keys = static_cast<int32_t*>(rare_memory(RareSlot::bad_keys, size_t(it.ke - it.kb) * 4));
+            if (!keys) return;
             keys[nkeys_bad++] = int32_t(c);
             zero_nonfinite(krow, bp.f.d);
         }
         void bad_row(int64_t r, float* qrow, float* od) {
-            if (!grow(1, nrows_bad + 1)) return;
-            rows = storage(1);
+            if (!rows) rows = static_cast<int32_t*>(rare_memory(RareSlot::bad_rows, size_t(kGroupRows) * 4));
+            if (!rows) return;
             rows[nrows_bad++] = int32_t(r);
             zero_nonfinite(qrow, bp.f.d);
             zero_nonfinite(od, bp.f.dv);
         }
-        // Thread-local growable lists (0 keys, 1 rows); false without memory.
-        static std::vector<int32_t>& vec_of(int k) {
-            static thread_local std::vector<int32_t> v[2];
-            return v[k];
-        }
-        static bool grow(int k, int64_t n) {
-            std::vector<int32_t>& v = vec_of(k);
-            if (int64_t(v.size()) >= n) return true;
-            try { v.resize(size_t(std::max<int64_t>(n, 2 * int64_t(v.size())))); } catch (...) { return false; }
-            return true;
-        }
-        static int32_t* storage(int k) { return vec_of(k).data(); }
         // The non-finite elements of a row: their features and values.
         struct Lost {
             int32_t d[kMaxHeadDim];

@@ -286,6 +286,26 @@ inline bool row_nonfinite(const void* src, int64_t n, int64_t stride, DType dt) 
     return m == 0;
 }
 
+// Thread-local memory for rare paths (inf / NaN kept out of rows that cannot see it:
+// tile_loop.h Hidden, backward_loop.h Careful), one block per slot, grown on demand and kept;
+// null when it cannot be had (the callers then take their usual path).
+enum class RareSlot : int { hidden_keys, clean_tile, hidden_sums, bad_keys, bad_rows, count };
+inline void* rare_memory(RareSlot slot, size_t bytes) {
+    struct Slots {
+        void* p[int(RareSlot::count)] = {};
+        size_t n[int(RareSlot::count)] = {};
+        ~Slots() { for (void* x : p) std::free(x); }
+    };
+    static thread_local Slots slots;
+    const int k = int(slot);
+    if (slots.n[k] < bytes) {
+        std::free(slots.p[k]);
+        slots.p[k] = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+        slots.n[k] = slots.p[k] ? bytes : 0;
+    }
+    return slots.p[k];
+}
+
 // Reads n elements (stride in elements) of dtype dt as float32.
 inline void load_row_scalar(float* dst, const void* src, int64_t n, int64_t stride, DType dt) {
     if (dt == DType::f32) {

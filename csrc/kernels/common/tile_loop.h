@@ -262,8 +262,8 @@ struct TileLoop {
     // (codes, scales) 0, and every row that sees such a key gets the element added to its
     // output after normalisation (nf): +-inf or NaN, what p x v is for any p > 0. Rows that do
     // not see it get the bits of a call whose V holds 0 there. The copy and nf live in
-    // thread-local memory taken only then (bench/RESULTS.md, session 49: no cost measurable
-    // without such values; NaN q rows 1.04x, an inf in V at hidden keys 2.5x).
+    // thread-local memory taken only then (kernel.h rare_memory). bench/RESULTS.md, session 49:
+    // no cost measurable without such values; NaN q rows 1.04x, an inf in V at hidden keys 2.5x.
     struct Hidden {
         const int64_t kvh;            // kv heads of the item's rows
         int64_t scanned_c0 = -1;      // the tile whose non-finite keys are listed in bad
@@ -296,7 +296,7 @@ struct TileLoop {
                 for (int64_t c = 0; c < nc; ++c)
                     for (int64_t h = 0; h < kvh; ++h)
                         if (v_row_nonfinite(p, it, c0 + c, h)) {
-                            if (!bad) bad = static_cast<int32_t*>(rare_memory(0, BC * kvh * sizeof(int32_t)));
+                            if (!bad) bad = static_cast<int32_t*>(rare_memory(RareSlot::hidden_keys, BC * kvh * sizeof(int32_t)));
                             if (!bad) return false;  // no memory: the products as they are
                             bad[bad_count++] = int32_t(c * kvh + h);
                         }
@@ -318,9 +318,9 @@ struct TileLoop {
             const int64_t Dv = p.dv, esize = int64_t(dtype_size(ct));
             const int64_t raw_bytes = round_up(BC * kvh * Dv * esize, 64), scale_bytes = round_up(BC * kvh * 4, 64);
             const int64_t own_bytes = round_up(G::v_floats(Dv) * 4, 64), stage_bytes = BC * Dv * 4;
-            char* mem = static_cast<char*>(rare_memory(1, size_t(raw_bytes + scale_bytes + own_bytes + stage_bytes)));
+            char* mem = static_cast<char*>(rare_memory(RareSlot::clean_tile, size_t(raw_bytes + scale_bytes + own_bytes + stage_bytes)));
             if (!nf) {
-                nf = static_cast<float*>(rare_memory(2, size_t(M * Dv) * 4));
+                nf = static_cast<float*>(rare_memory(RareSlot::hidden_sums, size_t(M * Dv) * 4));
                 if (nf) for (int64_t j = 0; j < M * Dv; ++j) nf[j] = 0.f;
             }
             if (!mem || !nf) return nullptr;
@@ -351,8 +351,10 @@ struct TileLoop {
                       const int32_t* row_kv_head, const int64_t* first_key, const int64_t* last_key,
                       const int64_t* mask_row_offset) const {
             const int64_t Dv = p.dv;
+            float x[kMaxHeadDim];
             for (int64_t e = 0; e < bad_count && bad[e] / kvh < ncb; ++e) {
                 const int64_t key = c0 + bad[e] / kvh, h = bad[e] % kvh;
+                v_row_floats(p, it, key, h, x);
                 for (int64_t r = r0; r < rend; ++r) {
                     if (row_kv_head[r] != h || key < first_key[r] || key > last_key[r]) continue;
                     if (p.mask) {
@@ -362,81 +364,54 @@ struct TileLoop {
                                               : static_cast<const float*>(p.mask)[at] != -INFINITY;
                         if (!seen) continue;
                     }
-                    for (int64_t d = 0; d < Dv; ++d) {
-                        const float x = v_value(p, it, key, h, d);
-                        if (!std::isfinite(x)) nf[r * Dv + d] += x;
-                    }
+                    for (int64_t d = 0; d < Dv; ++d)
+                        if (!std::isfinite(x[d])) nf[r * Dv + d] += x[d];
                 }
             }
         }
     };
-    // Element offset of key pos's V row of the item's kv head h (relative), and its scale.
+    // Element offset of key pos's V row of the item's kv head h (relative), and its scale (1
+    // without scales).
     static int64_t v_row_at(const Params& p, const WorkItem& it, int64_t pos, int64_t h) {
         return k_row_offset(p, it.b, pos, p.v_batch_stride, p.v_row_stride) + (it.kv_head + h) * p.v_head_stride;
     }
     static float v_row_scale(const Params& p, const WorkItem& it, int64_t pos, int64_t h) {
-        if (!p.v_scale) return 1.f;
-        return p.v_scale[k_row_offset(p, it.b, pos, p.v_scale_batch_stride, p.v_scale_row_stride) +
-                         (it.kv_head + h) * p.v_scale_head_stride];
+        WorkItem head = it;
+        head.kv_head += int32_t(h);
+        const float* sc = scale_at<1>(p, head, pos);
+        return sc ? *sc : 1.f;
     }
-    // V[pos][d] of the item's kv head h as float32 (codes times their scale).
-    static float v_value(const Params& p, const WorkItem& it, int64_t pos, int64_t h, int64_t d) {
-        const int64_t at = v_row_at(p, it, pos, h) + d * p.v_dim_stride;
-        switch (kv_dtype(p)) {
-            case DType::f32: return static_cast<const float*>(p.v)[at];
-            case DType::bf16: return bf16_to_f32(static_cast<const uint16_t*>(p.v)[at]);
-            case DType::f16: return f16_to_f32(static_cast<const uint16_t*>(p.v)[at]);
-            case DType::i8: return float(static_cast<const int8_t*>(p.v)[at]) * v_row_scale(p, it, pos, h);
-            default: return f8e4m3_values()[static_cast<const uint8_t*>(p.v)[at]] * v_row_scale(p, it, pos, h);
-        }
+    // V row (pos, h) as float32: codes times their scale as the staged tiles get them
+    // (dequantize_row), float types converted (load_row_scalar).
+    static void v_row_floats(const Params& p, const WorkItem& it, int64_t pos, int64_t h, float* out) {
+        const DType ct = kv_dtype(p);
+        if (is_code_dtype(ct)) dequantize_row(out, p.v, v_row_at(p, it, pos, h), p.dv, p.v_dim_stride, ct, v_row_scale(p, it, pos, h));
+        else load_row_scalar(out, elem_ptr(p.v, v_row_at(p, it, pos, h), ct), p.dv, p.v_dim_stride, ct);
     }
     // Whether V row (pos, h) holds an inf / NaN: float types by their exponent bits (kernel.h),
-    // codes element by element (caches only).
+    // codes through their values (caches only).
     static bool v_row_nonfinite(const Params& p, const WorkItem& it, int64_t pos, int64_t h) {
         const DType ct = kv_dtype(p);
         if (!is_code_dtype(ct)) return row_nonfinite(elem_ptr(p.v, v_row_at(p, it, pos, h), ct), p.dv, p.v_dim_stride, ct);
-        for (int64_t d = 0; d < p.dv; ++d)
-            if (!std::isfinite(v_value(p, it, pos, h, d))) return true;
-        return false;
+        float x[kMaxHeadDim];
+        v_row_floats(p, it, pos, h, x);
+        return !finite(x, p.dv);
     }
-    // V row (pos, h) into dst ([Dv] elements of the cache's type) with its non-finite values 0,
-    // and its scale (codes) into *scale, 0 if not finite.
+    // V row (pos, h) into dst ([Dv] elements of the cache's type) with the elements whose value is
+    // not finite 0, and its scale (codes) into *scale, 0 if not finite.
     static void copy_clean_row(const Params& p, const WorkItem& it, int64_t pos, int64_t h, char* dst, float* scale) {
         const DType ct = kv_dtype(p);
         const int64_t at = v_row_at(p, it, pos, h), ds = p.v_dim_stride;
         const float sc = v_row_scale(p, it, pos, h);
         *scale = std::isfinite(sc) ? sc : 0.f;
+        float x[kMaxHeadDim];
+        v_row_floats(p, it, pos, h, x);
+        const size_t esize = dtype_size(ct);
         for (int64_t d = 0; d < p.dv; ++d) {
-            const bool keep = std::isfinite(v_value(p, it, pos, h, d));
-            if (ct == DType::f32) {
-                const float x = static_cast<const float*>(p.v)[at + d * ds];
-                reinterpret_cast<float*>(dst)[d] = keep ? x : 0.f;
-            } else if (ct == DType::bf16 || ct == DType::f16) {
-                const uint16_t x = static_cast<const uint16_t*>(p.v)[at + d * ds];
-                reinterpret_cast<uint16_t*>(dst)[d] = keep ? x : uint16_t(0);
-            } else {
-                const uint8_t x = static_cast<const uint8_t*>(p.v)[at + d * ds];
-                reinterpret_cast<uint8_t*>(dst)[d] = keep ? x : uint8_t(0);
-            }
+            if (std::isfinite(x[d])) std::memcpy(dst + d * esize, elem_ptr(p.v, at + d * ds, ct), esize);
+            else std::memset(dst + d * esize, 0, esize);
         }
     }
-    // Thread-local memory of the rare path above, slot k (0 bad keys, 1 clean tile, 2 nf), grown
-    // on demand and kept; null when it cannot be had.
-    static void* rare_memory(int k, size_t bytes) {
-        struct Slots {
-            void* p[3] = {nullptr, nullptr, nullptr};
-            size_t n[3] = {0, 0, 0};
-            ~Slots() { for (void* x : p) std::free(x); }
-        };
-        static thread_local Slots slots;
-        if (slots.n[k] < bytes) {
-            std::free(slots.p[k]);
-            slots.p[k] = std::aligned_alloc(64, round_up(int64_t(bytes), 64));
-            slots.n[k] = slots.p[k] ? bytes : 0;
-        }
-        return slots.p[k];
-    }
-
     // After row r (real or padding) is in qrows[(r % 16) * D ..]: the block's last row packs the
     // block's 16 rows (those at R and beyond are padding).
     static void pack_q_block(float* q, int64_t M, int64_t r, int64_t R, float* qrows, int64_t D, float scale) {
