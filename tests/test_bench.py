@@ -398,3 +398,16 @@ def test_interrupt_before_the_sweep_exits_130_without_a_traceback(capsys, monkey
     monkeypatch.setattr(bench.cli, "machine_info", interrupted)   # Ctrl-C during the probes
     code, _, err = run_main(capsys, "--baselines", "none")
     assert code == 130 and "interrupted" in err
+
+
+def test_read_bandwidth_probe_arguments_and_odd_sizes():
+    """The denominator of every "% of read bandwidth": a positive finite rate for any thread
+    count and buffer size (sizes that do not divide among the threads included), clear errors."""
+    from fa2cpu import _core
+    for threads, nbytes in ((1, 1), (2, 8 << 20), (3, (8 << 20) + 8 * 37), (5, 4096)):
+        gbs = _core.read_bandwidth_gbs(threads, nbytes)
+        assert math.isfinite(gbs) and gbs > 0, (threads, nbytes, gbs)
+    with pytest.raises(ValueError, match="threads"):
+        _core.read_bandwidth_gbs(0)
+    with pytest.raises(ValueError, match="nbytes"):
+        _core.read_bandwidth_gbs(1, 0)

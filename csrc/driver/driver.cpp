@@ -531,27 +531,50 @@ double peak_gflops(int isa, int dtype, int threads, double seconds) {
     return total;
 }
 
+// The read bandwidth the kernels can meet: a buffer like the arrays they read (NumPy puts arrays
+// of 4 MB and more on 2 MB pages where the kernel allows it; alloc_large does the same), each
+// thread summing its own contiguous share as 64-bit integers in four independent sums, which the
+// compiler vectorizes with the baseline's 16-byte loads. The first form (a std::vector of 4 KB
+// pages, one float64 sum) read 8.5-11.3 / 16.7-18.8 GB/s at 1 / 2 threads on the 2-core Xeon
+// with AMX where this reads 18.2 / 36.0, and where the decode kernels streamed 13.5 GB/s on one
+// core: "% of the read bandwidth" above 100 (bench/RESULTS.md, session 50). 16-byte loads read
+// faster there than 64-byte ones (16.0 / 30.6 GB/s).
 double read_bandwidth_gbs(int threads, int64_t nbytes) {
-    const int64_t n = std::max<int64_t>(nbytes / 8, 1024);
-    std::vector<double> buf(static_cast<size_t>(n));
+    const int64_t n = std::max<int64_t>(nbytes / 8, 1024) / 32 * 32;
+    uint64_t* buf = reinterpret_cast<uint64_t*>(alloc_large(size_t(n) * 8));
+    if (!buf) return 0.0;
     const int nt = std::max(1, threads);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t i = 0; i < n; ++i) buf[size_t(i)] = double(i & 7);  // first touch by the readers
-    double best = 0.0, sink = 0.0;
+    const int64_t share = n / nt / 32 * 32;  // the last thread also reads the rest
+#pragma omp parallel num_threads(nt)
+    {
+        const int t = omp_get_thread_num();
+        const int64_t i0 = t * share, i1 = t == nt - 1 ? n : i0 + share;
+        for (int64_t i = i0; i < i1; ++i) buf[i] = uint64_t(i & 7);  // first touch by the reader
+    }
+    double best = 0.0;
+    uint64_t sink = 0;
     for (int rep = 0; rep < 5; ++rep) {
         const auto t0 = std::chrono::steady_clock::now();
-        double sum = 0.0;
-        // 8 independent sums per thread: one chain would be bound by add latency, not memory.
-#pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : sum)
-        for (int64_t i = 0; i < n / 8; ++i) {
-            const double* x = buf.data() + 8 * i;
-            sum += ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        uint64_t total = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : total)
+        {
+            const int t = omp_get_thread_num();
+            const int64_t i0 = t * share, i1 = t == nt - 1 ? n : i0 + share;
+            uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            for (int64_t i = i0; i < i1; i += 4) {
+                s0 += buf[i];
+                s1 += buf[i + 1];
+                s2 += buf[i + 2];
+                s3 += buf[i + 3];
+            }
+            total += (s0 + s1) + (s2 + s3);
         }
         const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        sink += sum;
-        best = std::max(best, double(n / 8 * 8) * 8.0 / el * 1e-9);
+        sink += total;
+        best = std::max(best, double(n) * 8.0 / el * 1e-9);
     }
-    volatile double keep = sink;
+    std::free(buf);
+    volatile uint64_t keep = sink;
     (void)keep;
     return best;
 }
