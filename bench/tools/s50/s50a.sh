@@ -1,19 +1,30 @@
 #!/bin/bash
-# AMX test machine: bash bench/tools/s50/s50a.sh (logs under $OUT). Issue 13's decode at 16, 8 and 1
-# threads in three forms (decode_memory_probe.py: real, last-level cache flushed, L1-resident keys),
-# bench/kv_quant.py as the issue measures it (with session 50's read-bandwidth probe), and the int8
-# route's far prefetch 32 keys ahead instead of 64 (int8_prefetch32.patch) in process at 16 threads.
+# AMX test machine: bash bench/tools/s50/s50a.sh (logs under $OUT). Session 50:
+# 1. the decode prefetch distance capped at 32 KB of the stream (prefetch_bytes.patch, in this
+#    tree) against the tree without it, in process (decode_layouts.py) at 16 and 2 threads;
+# 2. issue 13's decode in three forms (decode_memory_probe.py: real, last-level cache flushed,
+#    L1-resident keys) at 16, 8 and 1 threads, and bench/kv_quant.py at 16 threads (session 50's
+#    read-bandwidth probe);
+# 3. the KV-cache tests on the amx family at 16 threads.
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
-bash bench/tools/s48/build_amx.sh /tmp/s50
-cp $OUT/build.log $OUT/build_base.log
-bash bench/tools/s48/build_amx.sh /tmp/s50_pf32 $ROOT/bench/tools/s50/int8_prefetch32.patch
 lscpu > $OUT/s50a_lscpu.txt
-cd /tmp/s50
+bash bench/tools/s47/build_pair.sh $ROOT/bench/tools/s50/prefetch_bytes.patch s50
+cp -r /tmp/s50_base /tmp/s50_base2
+cd /tmp
 {
-  for t in 16 8; do PYTHONPATH=/tmp/s50 python3 $ROOT/bench/tools/s50/decode_memory_probe.py $t 9 2048 2.0; done
-  PYTHONPATH=/tmp/s50 python3 $ROOT/bench/tools/s50/decode_memory_probe.py 1 3 2048 2.0
-  PYTHONPATH=/tmp/s50 python3 $ROOT/bench/kv_quant.py --threads 16 --caches bf16,int8 --reps 9
-  cp -r /tmp/s50 /tmp/s50_base2
-  cd /tmp && for c in int8 bf16; do PYTHONPATH=/tmp/s50 python3 $ROOT/bench/tools/s46/decode_multi.py 16 $c 11 /tmp/s50/fa2cpu /tmp/s50_pf32/fa2cpu /tmp/s50_base2/fa2cpu; done
+  for t in 16 2; do for c in fp32 bf16 int8 fp8; do
+    python3 $ROOT/bench/tools/s50/decode_layouts.py $t $c bnhd 11 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu /tmp/s50_base2/fa2cpu | tail -n2
+  done; done
+  python3 $ROOT/bench/tools/s50/decode_layouts.py 16 bf16 bhnd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu | tail -n1
+  python3 $ROOT/bench/tools/s50/decode_layouts.py 16 int8 bhnd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu | tail -n1
+} 2>&1 | tee $OUT/s50a_prefetch_ab.log
+{
+  for t in 16; do PYTHONPATH=/tmp/s50_new python3 $ROOT/bench/tools/s50/decode_memory_probe.py $t 9 2048 2.0; done
+  PYTHONPATH=/tmp/s50_new python3 $ROOT/bench/tools/s50/decode_memory_probe.py 1 3 2048 2.0
+  PYTHONPATH=/tmp/s50_new python3 $ROOT/bench/kv_quant.py --threads 16 --caches bf16,int8 --reps 9
+  PYTHONPATH=/tmp/s50_base python3 $ROOT/bench/kv_quant.py --threads 16 --caches bf16,int8 --reps 9
 } 2>&1 | tee $OUT/s50a_decode_forms.log
+cp -r $ROOT/tests /tmp/s50_new/ && cd /tmp/s50_new && OMP_NUM_THREADS=16 PYTHONPATH=/tmp/s50_new timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+  tests/test_kvcache.py tests/test_kvcache_quant.py > $OUT/s50a_tests_amx.log 2>&1
+tail -n3 $OUT/s50a_tests_amx.log

@@ -11,6 +11,8 @@
 // Layouts: q [M][Dp] float32 pre-scaled (Dp = D rounded up to 16, zero padded); O row-major
 // [M][Dvp]; s [BC][RB] as in tile_loop.h (lanes past the item's rows are never read back).
 #pragma once
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "kernel.h"
@@ -34,14 +36,23 @@ struct DecodeOperands {
     static constexpr int RG = kRG;
     static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
     // K/V rows of a KV cache are often one page apart (B, N, H, D layout), where hardware
-    // prefetchers stop; rows this many keys ahead are prefetched while the current ones are used,
-    // into L2 (prefetcht1), not L1: 32 keys of an item spanning 8 kv heads are 128 KB of float32
-    // rows, which a 32 KB L1 (Zen 4) cannot hold beside the current block. Measured on the 2-core
-    // Zen 4 (B=16 Hq=32 Hk=8 Nk=8192 D=128, bench/kv_quant.py, 1 thread): prefetcht0 ran the
-    // float32 cache in 102-135 ms and bf16 in 45-52, prefetcht1 in 49-62 / 28-36, no prefetch
-    // 68-76 / 59-70; on the AMX Xeon (16 threads) prefetcht1 read as fast as prefetcht0
-    // (bench/RESULTS.md "Prefetch hints and distances at 16 threads").
+    // prefetchers stop; rows prefetch_keys ahead are prefetched while the current ones are used,
+    // into L2 (prefetcht1), not L1 (32 keys of an item spanning 8 kv heads are 128 KB of float32
+    // rows, which a 32 KB L1 cannot hold beside the current block; on the 2-core Zen 4
+    // prefetcht0 ran the float32 cache 2x slower than prefetcht1, no prefetch 1.2-2x slower).
+    // The distance is kPrefetchKeys keys (32 for float caches, 64 for codes: tuned on a Zen 4)
+    // but at most kPrefetchBytes of the stream: an item spanning 8 kv heads of a (B, N, H, D)
+    // cache reads 4 KB (float32) / 2 KB / 1 KB (int8) per key, and there 32 KB ahead (8 / 16 / 32
+    // keys instead of 32 / 32 / 64) measured 1.07-1.08x (float32), 1.03-1.04x (bf16), 1.01-1.02x
+    // (int8) faster on the 2-core Xeon with AMX, 16 KB slower for bf16 (0.78x) and int8 (0.93x);
+    // one head per item (a head-major cache, 128-512 B per key) keeps its key counts: 32 KB ahead
+    // there measured 0.96-0.99x (in process, bench/RESULTS.md session 50).
     static constexpr int64_t kPrefetchKeys = sizeof(T) == 1 ? 64 : 32;
+    static constexpr int64_t kPrefetchBytes = int64_t(32) << 10;
+    static int64_t prefetch_keys(int64_t row_stride) {
+        const int64_t row_bytes = std::max<int64_t>(1, std::llabs(row_stride) * int64_t(sizeof(T)));
+        return std::max<int64_t>(1, std::min(kPrefetchKeys, kPrefetchBytes / row_bytes));
+    }
 
     // Per-key factors of a quantized cache for the RG rows of a group: row j's scales at
     // row[j][c*ld] (nullptr: 1), times E::kUnit.
@@ -135,13 +146,13 @@ struct DecodeOperands {
             const T* r = src + k_row_offset(p, b, c0 + c, batch_stride, row_stride) + head;
             for (int64_t j = 0; j < n; ++j) out[c * np + j] = r[j * dim_stride];
         }
-        return {out, np, 0, kPrefetchKeys * np};
+        return {out, np, 0, prefetch_keys(np) * np};
     }
-    // Prefetch distance (elements): kPrefetchKeys rows further on for a contiguous cache; for a
+    // Prefetch distance (elements): prefetch_keys rows further on for a contiguous cache; for a
     // paged one the same row of the sequence's next block (blocks are scattered, out of reach of
     // hardware prefetchers), 0 at the last block.
     static int64_t prefetch_delta(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
-        if (!p.block_table) return kPrefetchKeys * row_stride;
+        if (!p.block_table) return prefetch_keys(row_stride) * row_stride;
         const int64_t cur = c0 / p.block_size, next = cur + 1;
         if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
         const int32_t* row = p.block_table + b * p.block_table_batch_stride;

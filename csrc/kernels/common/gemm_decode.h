@@ -529,7 +529,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
         const __m512 t = C::add(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
         return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
     }
-    // The line of a K / V row at p prefetched into L2 kPrefetchKeys ahead (pf) and into L1 one key
+    // The line of a K / V row at p prefetched into L2 prefetch_keys ahead (pf) and into L1 one key
     // block ahead (pf0 = KBLK rows: the group's next block, ~16 KB of codes for 8 kv heads), as
     // the avx2 route does. With the far prefetch alone every code line came from L2 on use; the
     // near one made the int8 decode 1.05-1.07x faster (2-core Xeon with AMX, 1 and 2 threads;

@@ -543,7 +543,7 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
         }
     }
     // The K lines at feature d of keys kr (the group's distinct heads) prefetched: into L2
-    // kPrefetchKeys ahead (pf), into L1 one key block ahead (a block is ~5 us of work at 8 heads;
+    // prefetch_keys ahead (pf), into L1 one key block ahead (a block is ~5 us of work at 8 heads;
     // measured 1.07-1.10x on the 2-core Zen 3 over the far prefetch alone).
     template <bool kOneHead>
     static inline __attribute__((always_inline)) void qk_prefetch(const Code* const (&kr)[KB], const int64_t* off, int64_t d,
@@ -643,7 +643,7 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
     // columns j + {0-3, 8-11}, x[1] = j + {4-7, 12-15}, each as (c, c+1) pairs (pv puts the
     // columns back in order).
     // kPf: prefetch the lines of both keys (a block whose j starts a line), into L2
-    // kPrefetchKeys ahead (pf) and into L1 one key block ahead, as qk_prefetch.
+    // prefetch_keys ahead (pf) and into L1 one key block ahead, as qk_prefetch.
     template <bool kOneHead, bool kMasked, bool kPf>
     static inline __attribute__((always_inline)) void pv_pair(__m256i (&a)[RG][2], const Code* v0, const Code* v1,
                                                               const int32_t* w, const int64_t* off, int64_t left,
