@@ -3,10 +3,12 @@ bf16 q) timed alternately in one process in three forms:
   real  the cache as the benchmark reads it (bench/kv_quant.py);
   cold  the same, with the last-level cache flushed before every call (a write pass over an
         EVICT_MB buffer: what a server's decode step meets after the model's weights streamed by);
-  hot   every key of a sequence aliases its first key (a zero stride along N: the same
-        arithmetic over L1-resident rows; a timing probe, its output meaningless).
+  l3    every sequence aliases the first (a zero batch stride: the same items and arithmetic
+        over 16 / 32 MB of int8 / bf16 K and V, which stay in the last-level cache; a timing
+        probe). (A zero stride along N would change the plan: a cache whose row stride is below
+        its head stride is not read as interleaved, and items then hold one kv head.)
 Prints per form the median ms, GB/s of cache bytes, cycles per (key, kv head) per thread at the
-TSC-less nominal GHz given, and int8's tokens/s over bf16's.
+nominal GHz given, and int8's tokens/s over bf16's.
 
     python bench/tools/s50/decode_memory_probe.py THREADS REPS EVICT_MB [GHZ]
 """
@@ -33,7 +35,7 @@ for _ in range(2):
     for b in range(B):
         c[b], s[b] = _quantize(rng.standard_normal((N, Hk, D), np.float32), c, True)
     i8 += [c, s]
-alias = lambda a: np.broadcast_to(a[:, :1], a.shape)
+alias = lambda a: np.broadcast_to(a[:1], a.shape)
 nbytes = {"bf16": 2 * B * N * Hk * D * 2, "int8": 2 * B * N * Hk * (D + 4)}
 
 
@@ -45,7 +47,7 @@ def call(kv):
 
 big = np.zeros(evict_mb << 17) if evict_mb else None
 runs = {("real", "bf16"): call(bf), ("real", "int8"): call(i8),
-        ("hot", "bf16"): call([alias(x) for x in bf]), ("hot", "int8"): call([alias(x) for x in i8])}
+        ("l3", "bf16"): call([alias(x) for x in bf]), ("l3", "int8"): call([alias(x) for x in i8])}
 if big is not None:
     runs[("cold", "bf16")] = runs[("real", "bf16")]
     runs[("cold", "int8")] = runs[("real", "int8")]
@@ -59,7 +61,7 @@ for _ in range(reps):
         ts[key].append(time.perf_counter() - t0)
 bw = _core.read_bandwidth_gbs(T)
 print(f"# {fa2cpu.get_isa()}, {T} threads, read probe {bw:.1f} GB/s, evict {evict_mb} MB, reps {reps}")
-for form in ("real", "cold", "hot"):
+for form in ("real", "cold", "l3"):
     m = {c: statistics.median(ts[(form, c)]) for c in ("bf16", "int8") if (form, c) in ts}
     if not m:
         continue
