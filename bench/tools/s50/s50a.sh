@@ -14,10 +14,10 @@ cp -r /tmp/s50_base /tmp/s50_base2
 cd /tmp
 {
   for t in 16; do for c in fp32 bf16 int8 fp8; do
-    python3 $ROOT/bench/tools/s50/decode_layouts.py $t $c bnhd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu /tmp/s50_base2/fa2cpu | tail -n2
+    PYTHONPATH=/tmp/s50_new python3 $ROOT/bench/tools/s50/decode_layouts.py $t $c bnhd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu /tmp/s50_base2/fa2cpu | tail -n2
   done; done
-  python3 $ROOT/bench/tools/s50/decode_layouts.py 16 bf16 bhnd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu | tail -n1
-  python3 $ROOT/bench/tools/s50/decode_layouts.py 16 int8 bhnd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu | tail -n1
+  PYTHONPATH=/tmp/s50_new python3 $ROOT/bench/tools/s50/decode_layouts.py 16 bf16 bhnd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu | tail -n1
+  PYTHONPATH=/tmp/s50_new python3 $ROOT/bench/tools/s50/decode_layouts.py 16 int8 bhnd 9 /tmp/s50_base/fa2cpu /tmp/s50_new/fa2cpu | tail -n1
 } 2>&1 | tee $OUT/s50a_prefetch_ab.log
 {
   for t in 16; do PYTHONPATH=/tmp/s50_new python3 $ROOT/bench/tools/s50/decode_memory_probe.py $t 9 2048 2.0; done
@@ -28,3 +28,5 @@ cd /tmp
 cp -r $ROOT/tests /tmp/s50_new/ && cd /tmp/s50_new && OMP_NUM_THREADS=16 PYTHONPATH=/tmp/s50_new timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_kvcache.py tests/test_kvcache_quant.py > $OUT/s50a_tests_amx.log 2>&1
 tail -n3 $OUT/s50a_tests_amx.log
+# (Session 50's call ran the A/B lines without PYTHONPATH, which failed; they ran in a second call on
+# the same warm machine, also in the reverse order (new build first): s50b_prefetch_ab.log.)
