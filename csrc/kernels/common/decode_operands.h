@@ -148,11 +148,19 @@ struct DecodeOperands {
         }
         return {out, np, 0, prefetch_keys(np) * np};
     }
-    // Prefetch distance (elements): prefetch_keys rows further on for a contiguous cache; for a
-    // paged one the same row of the sequence's next block (blocks are scattered, out of reach of
-    // hardware prefetchers), 0 at the last block.
+    // Prefetch distance (elements): prefetch_keys rows further on for a contiguous cache and for
+    // a paged one whose blocks hold at least 8 times that many keys; for smaller blocks the same
+    // row of the sequence's next block (blocks are scattered, out of reach of hardware
+    // prefetchers), 0 at the last block. In a large block the next block's row is too far ahead
+    // (block 256 at 8 kv heads: 1 MB of float32), while a prefetch within the block leaves its
+    // first prefetch_keys keys unprefetched (those of the block before ask for lines past it).
+    // Measured in process, 2-core Xeon with AMX, 2 threads (bench/RESULTS.md session 50): block
+    // 256 float32 / bf16 / int8 1.63x / 1.31x / 1.09x faster in the block than at the next block,
+    // float32 block 64 1.03x; at 2-4 times (bf16 and int8 block 64, float32 block 16) 0.72-0.82x.
+    static constexpr int64_t kPrefetchInBlock = 8;
     static int64_t prefetch_delta(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
-        if (!p.block_table) return prefetch_keys(row_stride) * row_stride;
+        const int64_t pk = prefetch_keys(row_stride);
+        if (!p.block_table || kPrefetchInBlock * pk <= p.block_size) return pk * row_stride;
         const int64_t cur = c0 / p.block_size, next = cur + 1;
         if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
         const int32_t* row = p.block_table + b * p.block_table_batch_stride;
