@@ -536,9 +536,9 @@ double peak_gflops(int isa, int dtype, int threads, double seconds) {
 // thread summing its own contiguous share as 64-bit integers in four independent sums, which the
 // compiler vectorizes with the baseline's 16-byte loads. The first form (a std::vector of 4 KB
 // pages, one float64 sum) read 8.5-11.3 / 16.7-18.8 GB/s at 1 / 2 threads on the 2-core Xeon
-// with AMX where this reads 18.2 / 36.0, and where the decode kernels streamed 13.5 GB/s on one
-// core: "% of the read bandwidth" above 100 (bench/RESULTS.md, session 50). 16-byte loads read
-// faster there than 64-byte ones (16.0 / 30.6 GB/s).
+// with AMX, where this reads 16.9-18.1 / 33.6-36.5 and the decode kernels streamed 13.5 GB/s on
+// one core: "% of the read bandwidth" above 100 (bench/RESULTS.md, session 50). A loop of
+// 64-byte loads read less there (16.0 / 30.6 GB/s against 18.2 / 36.0 for 16-byte ones).
 double read_bandwidth_gbs(int threads, int64_t nbytes) {
     const int64_t n = std::max<int64_t>(nbytes / 8, 1024) / 32 * 32;
     uint64_t* buf = reinterpret_cast<uint64_t*>(alloc_large(size_t(n) * 8));

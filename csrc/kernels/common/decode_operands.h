@@ -43,10 +43,11 @@ struct DecodeOperands {
     // The distance is kPrefetchKeys keys (32 for float caches, 64 for codes: tuned on a Zen 4)
     // but at most kPrefetchBytes of the stream: an item spanning 8 kv heads of a (B, N, H, D)
     // cache reads 4 KB (float32) / 2 KB / 1 KB (int8) per key, and there 32 KB ahead (8 / 16 / 32
-    // keys instead of 32 / 32 / 64) measured 1.07-1.08x (float32), 1.03-1.04x (bf16), 1.01-1.02x
-    // (int8) faster on the 2-core Xeon with AMX, 16 KB slower for bf16 (0.78x) and int8 (0.93x);
-    // one head per item (a head-major cache, 128-512 B per key) keeps its key counts: 32 KB ahead
-    // there measured 0.96-0.99x (in process, bench/RESULTS.md session 50).
+    // keys instead of 32 / 32 / 64) measured 1.07-1.08x (float32), 1.03-1.05x (bf16), 1.01-1.02x
+    // (int8) faster on the 2-core Xeon with AMX; 16-24 KB lost 5-22 % for bf16 and int8 (for bf16
+    // less than one KBLK block ahead), 48 KB 0-2 %. One head per item (a head-major cache, 128-512
+    // B per key) keeps its key counts: 32 KB ahead there measured 0.96-0.99x (in process,
+    // bench/RESULTS.md session 50).
     static constexpr int64_t kPrefetchKeys = sizeof(T) == 1 ? 64 : 32;
     static constexpr int64_t kPrefetchBytes = int64_t(32) << 10;
     static int64_t prefetch_keys(int64_t row_stride) {
