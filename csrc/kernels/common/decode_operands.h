@@ -138,16 +138,21 @@ struct DecodeOperands {
     static KvTile tile(const Params& p, const void* base, int64_t batch_stride, int64_t row_stride, int64_t dim_stride,
                        int64_t head_stride, int64_t n, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const T* src = static_cast<const T*>(base);
-        if (dim_stride == 1)
-            return {src + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, head_stride,
-                    prefetch_delta(p, batch_stride, row_stride, b, c0)};
+        if (dim_stride == 1) {
+            KvTile t{src + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, head_stride,
+                     prefetch_delta(p, batch_stride, row_stride, b, c0)};
+            t.prefetch_near = near_prefetch(p, row_stride, t.prefetch);
+            return t;
+        }
         T* out = reinterpret_cast<T*>(buf);
         const int64_t np = dp(n);
         for (int64_t c = 0; c < nc; ++c) {
             const T* r = src + k_row_offset(p, b, c0 + c, batch_stride, row_stride) + head;
             for (int64_t j = 0; j < n; ++j) out[c * np + j] = r[j * dim_stride];
         }
-        return {out, np, 0, prefetch_keys(np) * np};
+        KvTile t{out, np, 0, prefetch_keys(np) * np};
+        t.prefetch_near = KBLK * np;
+        return t;
     }
     // Prefetch distance (elements): prefetch_keys rows further on for a contiguous cache and for
     // a paged one whose blocks hold at least 8 times that many keys; for smaller blocks the same
@@ -166,6 +171,14 @@ struct DecodeOperands {
         if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
         const int32_t* row = p.block_table + b * p.block_table_batch_stride;
         return (int64_t(row[next]) - int64_t(row[cur])) * batch_stride;
+    }
+    // The near prefetch (the int8 / float8 routes ask for lines one KBLK block on into L1): KBLK
+    // rows on, except where the far prefetch goes to a paged cache's next block, whose rows KBLK on
+    // from a block of at most that many keys are some other block's: there the near prefetch asks
+    // for the next block too (int8, block 16, 2 threads: 1.38x faster; block 64 the same).
+    static int64_t near_prefetch(const Params& p, int64_t row_stride, int64_t far) {
+        const bool next_block = p.block_table && kPrefetchInBlock * prefetch_keys(row_stride) > p.block_size;
+        return next_block ? far : KBLK * row_stride;
     }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.k_head_stride, p.d, b, c0, nc, head, buf);

@@ -494,8 +494,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 int64_t off[RG];
                 head_offsets(kv_head, r, kt, off);
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(qr + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
-                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
+                if (off[0] == off[RG - 1]) qk_group<true>(qr + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, kt.prefetch_near, first_of_head);
+                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, kt.prefetch_near, true);
             }
         }
         const float* qs = row_scales(x.q, x.M, D) + block.r0;
@@ -530,7 +530,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
         return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
     }
     // The line of a K / V row at p prefetched into L2 prefetch_keys ahead (pf) and into L1 one key
-    // block ahead (pf0 = KBLK rows: the group's next block, ~16 KB of codes for 8 kv heads), as
+    // block ahead (pf0 = KvTile::prefetch_near: KBLK rows, ~16 KB of codes for 8 kv heads), as
     // the avx2 route does. With the far prefetch alone every code line came from L2 on use; the
     // near one made the int8 decode 1.05-1.07x faster (2-core Xeon with AMX, 1 and 2 threads;
     // 8 / 32 keys ahead 1.01-1.03x, 24 1.02x; bench/RESULTS.md, session 40). The float caches'
@@ -565,8 +565,7 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
     }
     template <bool kOneHead>
     static void qk_group(const int16_t* qg, int64_t D, const Code* k, int64_t ldk, const int64_t* off,
-                         int64_t cb, int64_t ce, float* s, int64_t pf, bool prefetch) {
-        const int64_t pf0 = KBLK * ldk;
+                         int64_t cb, int64_t ce, float* s, int64_t pf, int64_t pf0, bool prefetch) {
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const Code* kr[KB];
@@ -642,9 +641,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
     // acc[i][...] += sum over keys [cb, ce) of the pairs' products, columns [j, j + 32*NH).
     template <int NH, bool kOneHead, bool kMasked>
     static void pv_block(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
-                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, bool prefetch) {
+                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, int64_t pf0, bool prefetch) {
         constexpr int T = 2 * NH;
-        const int64_t pf0 = KBLK * ldv;
         __m512i a[RG][T], x[T];
 #pragma GCC unroll 4
         for (int i = 0; i < RG; ++i)
@@ -695,15 +693,15 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 int32_t* a = acc + r * na;
                 int64_t j = 0;
                 for (; j + 64 <= Dv; j += 64) {  // whole 64-column blocks: plain loads
-                    if (one) pv_block<2, true, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, first_of_head);
-                    else pv_block<2, false, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, true);
+                    if (one) pv_block<2, true, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, vt.prefetch_near, first_of_head);
+                    else pv_block<2, false, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, vt.prefetch_near, true);
                 }
                 if (j < Dv && na - j > 32) {     // the tail: 33..63 columns
-                    if (one) pv_block<2, true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, first_of_head);
-                    else pv_block<2, false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, true);
+                    if (one) pv_block<2, true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, vt.prefetch_near, first_of_head);
+                    else pv_block<2, false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, vt.prefetch_near, true);
                 } else if (j < Dv) {             // 1..32 columns
-                    if (one) pv_block<1, true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, first_of_head);
-                    else pv_block<1, false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, true);
+                    if (one) pv_block<1, true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, vt.prefetch_near, first_of_head);
+                    else pv_block<1, false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, na, vt.prefetch, vt.prefetch_near, true);
                 }
             }
         }

@@ -528,8 +528,8 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
                 int64_t off[RG];
                 head_offsets(kv_head, r, kt, off);
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, first_of_head);
-                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, true);
+                if (off[0] == off[RG - 1]) qk_group<true>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, kt.prefetch_near, first_of_head);
+                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, kt.prefetch_near, true);
             }
         }
         const float* qs = x.q + x.M * Dq / 2 + block.r0;
@@ -582,8 +582,7 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
     }
     template <bool kOneHead>
     static void qk_group(const int16_t* qg, int64_t D, const Code* k, int64_t ldk, const int64_t* off, int64_t cb,
-                         int64_t ce, float* s, int64_t pf, bool prefetch) {
-        const int64_t pf0 = KBLK * ldk;
+                         int64_t ce, float* s, int64_t pf, int64_t pf0, bool prefetch) {
         for (int64_t c = cb; c < ce; c += KB) {
             const int64_t nkb = ce - c < KB ? ce - c : KB;
             const Code* kr[KB];
@@ -670,14 +669,14 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
     }
     template <bool kOneHead, bool kMasked, bool kPf>
     static void pv_pairs(__m256i (&a)[RG][2], int64_t cb, int64_t ce, const Code* v0, int64_t ldv, const int32_t* w,
-                         const int64_t* off, int64_t left, int64_t pf) {
+                         const int64_t* off, int64_t left, int64_t pf, int64_t pf0) {
         int64_t c = cb;
-        for (; c + 1 < ce; c += 2, v0 += 2 * ldv, w += RB) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0 + ldv, w, off, left, pf, KBLK * ldv);
-        if (c < ce) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0, w, off, left, pf, KBLK * ldv);  // an odd last key pairs with itself (weight 0)
+        for (; c + 1 < ce; c += 2, v0 += 2 * ldv, w += RB) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0 + ldv, w, off, left, pf, pf0);
+        if (c < ce) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0, w, off, left, pf, pf0);  // an odd last key pairs with itself (weight 0)
     }
     template <bool kOneHead, bool kMasked>
     static void pv_block(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
-                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, bool prefetch) {
+                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, int64_t pf0, bool prefetch) {
         __m256i a[RG][2];
 #pragma GCC unroll 4
         for (int i = 0; i < RG; ++i)
@@ -685,8 +684,8 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
             for (int t = 0; t < 2; ++t) a[i][t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + i * lda + j + 8 * t));
         const Code* v0 = v + cb * ldv + j;
         const int32_t* w = wp + (cb / 2) * RB;
-        if ((prefetch || !kOneHead) && j % 64 == 0) pv_pairs<kOneHead, kMasked, true>(a, cb, ce, v0, ldv, w, off, n - j, pf);
-        else pv_pairs<kOneHead, kMasked, false>(a, cb, ce, v0, ldv, w, off, n - j, pf);
+        if ((prefetch || !kOneHead) && j % 64 == 0) pv_pairs<kOneHead, kMasked, true>(a, cb, ce, v0, ldv, w, off, n - j, pf, pf0);
+        else pv_pairs<kOneHead, kMasked, false>(a, cb, ce, v0, ldv, w, off, n - j, pf, pf0);
 #pragma GCC unroll 4
         for (int i = 0; i < RG; ++i)
 #pragma GCC unroll 2
@@ -714,12 +713,12 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
                 int32_t* a = acc + r * n;
                 int64_t j = 0;
                 for (; j + 16 <= Dv; j += 16) {  // whole 16-column blocks: plain loads
-                    if (one) pv_block<true, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, first_of_head);
-                    else pv_block<false, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, true);
+                    if (one) pv_block<true, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, first_of_head);
+                    else pv_block<false, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, true);
                 }
                 if (j < Dv) {                    // the tail: 1..15 columns
-                    if (one) pv_block<true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, first_of_head);
-                    else pv_block<false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, true);
+                    if (one) pv_block<true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, first_of_head);
+                    else pv_block<false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, true);
                 }
             }
         }

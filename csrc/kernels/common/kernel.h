@@ -44,6 +44,9 @@ struct Partials {
 struct KvTile {
     const void* data;
     int64_t ld, head_stride, prefetch;
+    // (decode policies) the near prefetch's distance in elements (decode_operands.h): KBLK rows on,
+    // or, where `prefetch` points into a paged cache's next block, that block too
+    int64_t prefetch_near = 0;
     const float* scale = nullptr;
     int64_t scale_ld = 0, scale_head_stride = 0;
     bool panels = false;  // V in the policy's v_panels layout (gemm_f32.h), not rows
