@@ -1,6 +1,6 @@
 #!/bin/bash
 # AMX test machine: bash bench/tools/s50/s50c.sh (logs under $OUT). The paged decode's in-block
-# prefetch (paged_inblock.patch, in this tree) against the tree without it, in process at 16
+# prefetch and near prefetch (paged_inblock.patch: 5166923 and 9d90076, in this tree) against the tree without them, in process at 16
 # threads, both load orders (decode_paged_ab.py), blocks 16 / 64 / 256, float32 / bf16 / int8.
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
