@@ -164,21 +164,22 @@ struct DecodeOperands {
     // 256 float32 / bf16 / int8 1.63x / 1.31x / 1.09x faster in the block than at the next block,
     // float32 block 64 1.03x; at 2-4 times (bf16 and int8 block 64, float32 block 16) 0.72-0.82x.
     static constexpr int64_t kPrefetchInBlock = 8;
+    static bool prefetch_next_block(const Params& p, int64_t row_stride) {
+        return p.block_table && kPrefetchInBlock * prefetch_keys(row_stride) > p.block_size;
+    }
     static int64_t prefetch_delta(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
-        const int64_t pk = prefetch_keys(row_stride);
-        if (!p.block_table || kPrefetchInBlock * pk <= p.block_size) return pk * row_stride;
+        if (!prefetch_next_block(p, row_stride)) return prefetch_keys(row_stride) * row_stride;
         const int64_t cur = c0 / p.block_size, next = cur + 1;
         if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
         const int32_t* row = p.block_table + b * p.block_table_batch_stride;
         return (int64_t(row[next]) - int64_t(row[cur])) * batch_stride;
     }
     // The near prefetch (the int8 / float8 routes ask for lines one KBLK block on into L1): KBLK
-    // rows on, except where the far prefetch goes to a paged cache's next block, whose rows KBLK on
-    // from a block of at most that many keys are some other block's: there the near prefetch asks
-    // for the next block too (int8, block 16, 2 threads: 1.38x faster; block 64 the same).
+    // rows on, except where the far prefetch goes to a paged cache's next block: rows KBLK on in
+    // a block of 16 keys are some other block's, so the near prefetch asks for the next block too
+    // (int8, block 16: 1.39x faster at 2 threads, 1.25x at 16; block 64 1.02-1.03x).
     static int64_t near_prefetch(const Params& p, int64_t row_stride, int64_t far) {
-        const bool next_block = p.block_table && kPrefetchInBlock * prefetch_keys(row_stride) > p.block_size;
-        return next_block ? far : KBLK * row_stride;
+        return prefetch_next_block(p, row_stride) ? far : KBLK * row_stride;
     }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.k_head_stride, p.d, b, c0, nc, head, buf);
