@@ -542,14 +542,15 @@ double peak_gflops(int isa, int dtype, int threads, double seconds) {
 double read_bandwidth_gbs(int threads, int64_t nbytes) {
     const int64_t n = std::max<int64_t>(nbytes / 8, 1024) / 32 * 32;
     uint64_t* buf = reinterpret_cast<uint64_t*>(alloc_large(size_t(n) * 8));
-    if (!buf) return 0.0;
+    if (!buf) throw std::bad_alloc();  // MemoryError in Python, as the std::vector before gave
     const int nt = std::max(1, threads);
     const int64_t share = n / nt / 32 * 32;  // the last thread also reads the rest
+    auto first = [&](int t) { return t * share; };
+    auto last = [&](int t) { return t == nt - 1 ? n : (t + 1) * share; };
 #pragma omp parallel num_threads(nt)
     {
         const int t = omp_get_thread_num();
-        const int64_t i0 = t * share, i1 = t == nt - 1 ? n : i0 + share;
-        for (int64_t i = i0; i < i1; ++i) buf[i] = uint64_t(i & 7);  // first touch by the reader
+        for (int64_t i = first(t); i < last(t); ++i) buf[i] = uint64_t(i & 7);  // first touch by the reader
     }
     double best = 0.0;
     uint64_t sink = 0;
@@ -559,9 +560,8 @@ double read_bandwidth_gbs(int threads, int64_t nbytes) {
 #pragma omp parallel num_threads(nt) reduction(+ : total)
         {
             const int t = omp_get_thread_num();
-            const int64_t i0 = t * share, i1 = t == nt - 1 ? n : i0 + share;
             uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-            for (int64_t i = i0; i < i1; i += 4) {
+            for (int64_t i = first(t), end = last(t); i < end; i += 4) {
                 s0 += buf[i];
                 s1 += buf[i + 1];
                 s2 += buf[i + 2];
