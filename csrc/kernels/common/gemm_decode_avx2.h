@@ -674,26 +674,59 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
         for (; c + 1 < ce; c += 2, v0 += 2 * ldv, w += RB) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0 + ldv, w, off, left, pf, pf0);
         if (c < ce) pv_pair<kOneHead, kMasked, kPf>(a, v0, v0, w, off, left, pf, pf0);  // an odd last key pairs with itself (weight 0)
     }
-    template <bool kOneHead, bool kMasked>
+    // kOne: the tile is this one key block; its sums start from zero and are added to O (o: the
+    // group's first row, stride ldo; wscale: the rows' weight scales) instead of being stored.
+    template <bool kOneHead, bool kMasked, bool kOne>
     static void pv_block(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
-                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, int64_t pf0, bool prefetch) {
+                         int64_t n, int64_t j, int32_t* acc, int64_t lda, int64_t pf, int64_t pf0, bool prefetch,
+                         float* o, int64_t ldo, const float* wscale) {
         __m256i a[RG][2];
 #pragma GCC unroll 4
         for (int i = 0; i < RG; ++i)
 #pragma GCC unroll 2
-            for (int t = 0; t < 2; ++t) a[i][t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + i * lda + j + 8 * t));
+            for (int t = 0; t < 2; ++t)
+                a[i][t] = kOne ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + i * lda + j + 8 * t));
         const Code* v0 = v + cb * ldv + j;
         const int32_t* w = wp + (cb / 2) * RB;
         if ((prefetch || !kOneHead) && j % 64 == 0) pv_pairs<kOneHead, kMasked, true>(a, cb, ce, v0, ldv, w, off, n - j, pf, pf0);
         else pv_pairs<kOneHead, kMasked, false>(a, cb, ce, v0, ldv, w, off, n - j, pf, pf0);
 #pragma GCC unroll 4
-        for (int i = 0; i < RG; ++i)
+        for (int i = 0; i < RG; ++i) {
+            if constexpr (kOne) {
+                join16(a[i][0], a[i][1], wscale[i], o + i * ldo + j);
+            } else {
 #pragma GCC unroll 2
-            for (int t = 0; t < 2; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + i * lda + j + 8 * t), a[i][t]);
+                for (int t = 0; t < 2; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + i * lda + j + 8 * t), a[i][t]);
+            }
+        }
+    }
+    // o[0..15] += the sums of pv_block's order ({0-3, 8-11}, {4-7, 12-15}) x f, in column order.
+    static inline __attribute__((always_inline)) void join16(__m256i x0, __m256i x1, float f, float* o) {
+        const __m256 fv = _mm256_set1_ps(f);
+        const __m256 first = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(x0, x1, 0x20));
+        const __m256 second = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(x0, x1, 0x31));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(first, fv, _mm256_loadu_ps(o)));
+        _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(second, fv, _mm256_loadu_ps(o + 8)));
+    }
+    template <bool kOne>
+    static inline __attribute__((always_inline)) void pv_columns(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
+                           int64_t Dv, int32_t* a, int64_t lda, int64_t pf, int64_t pf0, bool one, bool first_of_head,
+                           float* o, int64_t ldo, const float* wscale) {
+        int64_t j = 0;
+        for (; j + 16 <= Dv; j += 16) {  // whole 16-column blocks: plain loads
+            if (one) pv_block<true, false, kOne>(wp, cb, ce, v, ldv, off, Dv, j, a, lda, pf, pf0, first_of_head, o, ldo, wscale);
+            else pv_block<false, false, kOne>(wp, cb, ce, v, ldv, off, Dv, j, a, lda, pf, pf0, true, o, ldo, wscale);
+        }
+        if (j < Dv) {                    // the tail: 1..15 columns
+            if (one) pv_block<true, true, kOne>(wp, cb, ce, v, ldv, off, Dv, j, a, lda, pf, pf0, first_of_head, o, ldo, wscale);
+            else pv_block<false, true, kOne>(wp, cb, ce, v, ldv, off, Dv, j, a, lda, pf, pf0, true, o, ldo, wscale);
+        }
     }
 
     // O[r0 + r][:] += sum_c P[r][c] V[c][:]: P rounded to int16 pairs, int32 sums per tile (key
-    // blocks outer as in DecodeGemm8::pv), then added to O times their scale.
+    // blocks outer as in DecodeGemm8::pv), then added to O times their scale; a tile of one key
+    // block (a paged cache of 16-key blocks) keeps its sums in registers (pv_block's kOne), as
+    // gemm_decode.h's Q16DecodeGemm::pv does.
     static void pv(const ItemOperands& x, const RowBlock& block, float* s, int64_t nc, const KvTile& vt) {
         const Code* v = static_cast<const Code*>(vt.data);
         const int64_t Dv = x.dv, n = dp(Dv), ldv = vt.ld, rows = round_up(block.rows, RG);
@@ -701,7 +734,8 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
         alignas(32) float wscale[RB];
         for (int vv = 0; vv < block.vectors; ++vv) quantize_p(s + vv * W, nc, vt, kv_head + vv * W, wscale + vv * W);
         int32_t* acc = reinterpret_cast<int32_t*>(x.o + x.M * n) + block.r0 * n;
-        std::memset(acc, 0, size_t(rows * n) * sizeof(int32_t));
+        const bool one_block = nc <= KBLK;
+        if (!one_block) std::memset(acc, 0, size_t(rows * n) * sizeof(int32_t));
         const int32_t* pairs = reinterpret_cast<const int32_t*>(s);
         for (int64_t cb = 0; cb < nc; cb += KBLK) {
             static_assert(KBLK % 2 == 0, "key blocks hold whole pairs");
@@ -710,30 +744,18 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
                 int64_t off[RG];
                 head_offsets(kv_head, r, vt, off);
                 const bool one = off[0] == off[RG - 1], first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                int32_t* a = acc + r * n;
-                int64_t j = 0;
-                for (; j + 16 <= Dv; j += 16) {  // whole 16-column blocks: plain loads
-                    if (one) pv_block<true, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, first_of_head);
-                    else pv_block<false, false>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, true);
-                }
-                if (j < Dv) {                    // the tail: 1..15 columns
-                    if (one) pv_block<true, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, first_of_head);
-                    else pv_block<false, true>(pairs + r, cb, ce, v, ldv, off, Dv, j, a, n, vt.prefetch, vt.prefetch_near, true);
-                }
+                float* o = x.o + (block.r0 + r) * n;
+                if (one_block) pv_columns<true>(pairs + r, cb, ce, v, ldv, off, Dv, acc + r * n, n, vt.prefetch, vt.prefetch_near, one, first_of_head, o, n, wscale + r);
+                else pv_columns<false>(pairs + r, cb, ce, v, ldv, off, Dv, acc + r * n, n, vt.prefetch, vt.prefetch_near, one, first_of_head, o, n, wscale + r);
             }
         }
+        if (one_block) return;
         for (int64_t r = 0; r < rows; ++r) {
             float* o = x.o + (block.r0 + r) * n;
             const int32_t* a = acc + r * n;
-            const __m256 f = _mm256_set1_ps(wscale[r]);
-            for (int64_t j = 0; j < n; j += 16) {  // pv_block's order: {0-3, 8-11}, {4-7, 12-15}
-                const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j));
-                const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j + 8));
-                const __m256 first = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(x0, x1, 0x20));
-                const __m256 second = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(x0, x1, 0x31));
-                _mm256_storeu_ps(o + j, _mm256_fmadd_ps(first, f, _mm256_loadu_ps(o + j)));
-                _mm256_storeu_ps(o + j + 8, _mm256_fmadd_ps(second, f, _mm256_loadu_ps(o + j + 8)));
-            }
+            for (int64_t j = 0; j < n; j += 16)
+                join16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j)),
+                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + j + 8)), wscale[r], o + j);
         }
     }
 };
