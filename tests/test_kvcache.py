@@ -85,12 +85,30 @@ def test_paged_equals_contiguous(isa, rng, dtype):
     lens = np.array([100, 253], np.int32)
     a = check_kv(q, kc, vc, kn, vn, dtype, cache_seqlens=lens, causal=True)
     b = check_kv(q, kp, vp, kn, vn, dtype, cache_seqlens=lens, block_table=table, causal=True)
-    # The decode routes end paged tiles at block boundaries (kTilesEndAtBlocks: K/V read in place),
-    # so the running max moves at other keys than in the contiguous cache's 256-key tiles: rounding
-    # of the same order as a different thread count (test_threads.py), not bit equality. Measured
-    # on the avx2 route (200 seeds, block sizes 16/32/64): at most 6.2 ulps (check_same's measure).
+    # The decode routes read paged tiles block by block (kTilesEndAtBlocks; blocks of >= 16 keys
+    # as runs of one tile, smaller ones as tiles of their own), so the running max may move at
+    # other keys than in the contiguous cache's 256-key tiles: rounding of the same order as a
+    # different thread count (test_threads.py), not bit equality. Measured on the avx2 route (200
+    # seeds, block sizes 16/32/64, tiles ending at blocks): at most 6.2 ulps (check_same's measure).
     check_same(a[0], b[0], dtype, ulps=8, what="out paged vs contiguous")
     check_same(a[1], b[1], "float32", ulps=8, what="lse paged vs contiguous")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 17, 24, 31, 100, 300])
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, window=(70, 0))], ids=["causal", "window"])
+def test_paged_tiles_spanning_blocks(isa, rng, dtype, block_size, opts):
+    """Paged tiles of the decode routes span whole blocks of 16-31 keys (one run each, tile_loop.h;
+    longer blocks are tiles of their own): block sizes that do not divide the 256-key tile, a
+    window starting inside a block (the first tile then ends at its block), GQA items spanning
+    kv heads, decode and a short chunk."""
+    B, Hq, Hk, D, Dv = 2, 8, 4, 64, 40
+    cap = block_size * (700 // block_size + 1)
+    kc, vc, table = make_cache(rng, B, cap, Hk, D, Dv, dtype, block_size)
+    lens = np.array([cap - 5, 3 * block_size // 2], np.int32)
+    for nq in (1, 3):
+        q = rand(rng, (B, nq, Hq, D), dtype)
+        check_kv(q, kc, vc, None, None, dtype, cache_seqlens=lens, block_table=table, **opts)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -118,6 +118,23 @@ def test_quantized_cache(isa, rng, dtype, code, block_size, nq, nnew):
     check_quant(q, kc, vc, ks, vs, k, v, dtype, cache_seqlens=lens, block_table=table, causal=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("code", ["int8", "fp8"])
+@pytest.mark.parametrize("block_size", [17, 31, 100])
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(causal=True, window=(70, 0))], ids=["causal", "window"])
+def test_quantized_tiles_spanning_blocks(isa, rng, dtype, code, block_size, opts):
+    """Paged quantized tiles spanning whole blocks of 16-31 keys (one run each; odd runs pair their
+    last key with itself in the int16 route), and tiles of one block (100), a window starting
+    inside a block, GQA 4 and 2."""
+    B, Hq, Hk, D, Dv = 2, 8, 4, 64, 72
+    cap = block_size * (700 // block_size + 1)
+    kc, vc, ks, vs, table = quant_cache(rng, B, cap, Hk, D, Dv, code, block_size=block_size)
+    lens = np.array([cap - 5, 3 * block_size // 2], np.int32)
+    for nq, hq in ((1, Hq), (2, 2 * Hk)):
+        q = rand(rng, (B, nq, hq, D), dtype)
+        check_quant(q, kc, vc, ks, vs, None, None, dtype, cache_seqlens=lens, block_table=table, **opts)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("code", ["int8", "fp8"])
 @pytest.mark.parametrize("cap", [1, 7, 255, 256, 257, 521])

@@ -32,6 +32,8 @@ struct DecodeOperands {
     static constexpr ScaleAt kScaleAt = ScaleAt::packed_q;
     static constexpr PStore kPStore = PStore::f32_in_scores;
     static constexpr bool kTilesEndAtBlocks = true;  // paged K/V read in place
+    // ... and a paged tile spans whole cache blocks of 16-31 keys, each a run (tile_loop.h)
+    static constexpr int64_t kRunKeys = 16;
     static constexpr bool kReadsCodes = E::kCodes;   // quantized K/V read in place too (tile_loop.h)
     static constexpr int RG = kRG;
     static constexpr int64_t KBLK = 16;      // keys per block of the outer loop (all row groups)
@@ -141,7 +143,7 @@ struct DecodeOperands {
         if (dim_stride == 1) {
             KvTile t{src + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, head_stride,
                      prefetch_delta(p, batch_stride, row_stride, b, c0)};
-            t.prefetch_near = near_prefetch(p, row_stride, t.prefetch);
+            t.prefetch_near = near_prefetch(p, batch_stride, row_stride, b, c0);
             return t;
         }
         T* out = reinterpret_cast<T*>(buf);
@@ -156,30 +158,40 @@ struct DecodeOperands {
     }
     // Prefetch distance (elements): prefetch_keys rows further on for a contiguous cache and for
     // a paged one whose blocks hold at least 8 times that many keys; for smaller blocks the same
-    // row of the sequence's next block (blocks are scattered, out of reach of hardware
-    // prefetchers), 0 at the last block. In a large block the next block's row is too far ahead
-    // (block 256 at 8 kv heads: 1 MB of float32), while a prefetch within the block leaves its
-    // first prefetch_keys keys unprefetched (those of the block before ask for lines past it).
-    // Measured in process, 2-core Xeon with AMX, 2 threads (bench/RESULTS.md session 50): block
-    // 256 float32 / bf16 / int8 1.63x / 1.31x / 1.09x faster in the block than at the next block,
-    // float32 block 64 1.03x; at 2-4 times (bf16 and int8 block 64, float32 block 16) 0.72-0.82x.
+    // row prefetch_keys / block_size blocks further on in the sequence (at least the next block:
+    // blocks are scattered, out of reach of hardware prefetchers), 0 at the last block. In a
+    // large block the next block's row is too far ahead (block 256 at 8 kv heads: 1 MB of
+    // float32), while a prefetch within the block leaves its first prefetch_keys keys
+    // unprefetched (those of the block before ask for lines past it). Measured in process, 2-core
+    // Xeon with AMX, 2 threads (bench/RESULTS.md session 50): block 256 float32 / bf16 / int8
+    // 1.63x / 1.31x / 1.09x faster in the block than at the next block, float32 block 64 1.03x;
+    // at 2-4 times (bf16 and int8 block 64, float32 block 16) 0.72-0.82x. An int8 cache of
+    // 16-key blocks (1 KB a key at 8 kv heads) prefetches 2 blocks ahead, 32 KB as a contiguous
+    // one does: 1.07-1.12x faster than at the next block (session 51).
     static constexpr int64_t kPrefetchInBlock = 8;
     static bool prefetch_next_block(const Params& p, int64_t row_stride) {
         return p.block_table && kPrefetchInBlock * prefetch_keys(row_stride) > p.block_size;
     }
     static int64_t prefetch_delta(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
         if (!prefetch_next_block(p, row_stride)) return prefetch_keys(row_stride) * row_stride;
-        const int64_t cur = c0 / p.block_size, next = cur + 1;
-        if (next * p.block_size >= seq_nk(p, b)) return 0;  // only validated block-table entries
+        return block_delta(p, batch_stride, b, c0, std::max<int64_t>(1, prefetch_keys(row_stride) / p.block_size));
+    }
+    // From key c0's block to the same row `ahead` blocks further on in the sequence (or its last
+    // block, 0 if that is c0's: only validated block-table entries are read).
+    static int64_t block_delta(const Params& p, int64_t batch_stride, int64_t b, int64_t c0, int64_t ahead) {
+        const int64_t cur = c0 / p.block_size, last = (seq_nk(p, b) - 1) / p.block_size;
+        const int64_t next = cur + ahead < last ? cur + ahead : last;
+        if (next <= cur) return 0;
         const int32_t* row = p.block_table + b * p.block_table_batch_stride;
         return (int64_t(row[next]) - int64_t(row[cur])) * batch_stride;
     }
     // The near prefetch (the int8 / float8 routes ask for lines one KBLK block on into L1): KBLK
-    // rows on, except where the far prefetch goes to a paged cache's next block: rows KBLK on in
-    // a block of 16 keys are some other block's, so the near prefetch asks for the next block too
-    // (int8, block 16: 1.39x faster at 2 threads, 1.25x at 16; block 64 1.02-1.03x).
-    static int64_t near_prefetch(const Params& p, int64_t row_stride, int64_t far) {
-        return prefetch_next_block(p, row_stride) ? far : KBLK * row_stride;
+    // rows on, except where the far prefetch goes to a paged cache's later blocks: rows KBLK on in
+    // a block of 16 keys are some other block's, so the near prefetch asks for the same row of
+    // the next block (int8, block 16: 1.39x faster at 2 threads, 1.25x at 16; block 64
+    // 1.02-1.03x).
+    static int64_t near_prefetch(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
+        return prefetch_next_block(p, row_stride) ? block_delta(p, batch_stride, b, c0, 1) : KBLK * row_stride;
     }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.k_head_stride, p.d, b, c0, nc, head, buf);

@@ -5,7 +5,8 @@
 //
 //   traits   W lanes, RV row vectors per row block, RB = RV*W rows per row block, BC keys per K/V
 //            tile, kMaxRows rows per item, kRowAlign (item rows are padded to it), kScaleAt,
-//            kPStore, kTilesEndAtBlocks (paged K/V read in place: a tile never crosses a block)
+//            kPStore, kTilesEndAtBlocks (paged K/V read in place: a tile, or each run of one
+//            (kRunKeys, optional), never crosses a block)
 //   scratch  q_floats(D, M), o_floats(Dv, M), k_floats(D), v_floats(Dv)
 //   Q        pack_q_row(q, M, r, row, D, scale), zero_q_row(q, M, r, D)
 //   K, V     k_tile / v_tile(p, b, c0, nc, head_offset, buf) -> KvTile (in place or packed in buf);

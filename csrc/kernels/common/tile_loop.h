@@ -42,6 +42,14 @@ struct HasVPanels : std::false_type {};
 template <class G>
 struct HasVPanels<G, std::void_t<decltype(&G::v_panels)>> : std::true_type {};
 
+// The smallest cache block of a paged cache that policy G reads as runs of a longer tile
+// (G::kRunKeys, decode_operands.h; 0: G's tiles never cross a block when it has
+// kTilesEndAtBlocks).
+template <class G, class = void>
+struct RunKeys { static constexpr int64_t value = 0; };
+template <class G>
+struct RunKeys<G, decltype(void(G::kRunKeys))> { static constexpr int64_t value = G::kRunKeys; };
+
 template <class V, class Gm>
 struct TileLoop {
     using G = Gm;
@@ -51,6 +59,10 @@ struct TileLoop {
     static constexpr int RB = RV * W;   // rows per row block
     static constexpr int64_t BC = G::BC;
     static_assert(G::W == W && G::kRowAlign % W == 0, "the policy's rows fill the vector lanes");
+    static constexpr int64_t kRunKeys = RunKeys<G>::value;
+    static constexpr int kMaxRuns = kRunKeys > 0 ? int((BC + kRunKeys - 1) / kRunKeys) : 1;
+    // runs take P at key c at pb + c * RB: P in place of the scores
+    static_assert(kRunKeys == 0 || (G::kTilesEndAtBlocks && G::kPStore == PStore::f32_in_scores), "runs read P in place");
     // Q packed and O read 16 rows at a time when the policy offers it (policy.h's optional
     // pack_q_rows / gather_o_rows) and the item holds whole blocks of 16 rows (M % 16 == 0:
     // always where kRowAlign is a multiple of 16; 8-lane families pad items to 8 rows only).
@@ -187,13 +199,33 @@ struct TileLoop {
         for (int64_t j = 0; j < G::o_floats(Dv, M); ++j) o[j] = 0.f;
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
         const bool block_tiles = G::kTilesEndAtBlocks && p.block_table != nullptr;
+        // A paged tile of a policy with kRunKeys spans whole cache blocks of kRunKeys to
+        // 2 kRunKeys - 1 keys (K / V read in place), one run of K / V per block, each its own
+        // KvTile: the products take the runs one by one, the softmax the whole tile at once
+        // (per-tile work paid once per BC keys, not once per block). int8 cache, block 16: 1.04-1.07x
+        // faster (2-core Xeon with AMX, 2 threads); blocks of 32 and 64 gained nothing (bf16
+        // block 64 0.96-0.98x, fp32 1.02x), and keep tiles of one block (bench/RESULTS.md,
+        // session 51).
+        const bool runs = block_tiles && kRunKeys > 0 && p.block_size >= kRunKeys && p.block_size < 2 * kRunKeys &&
+                          p.k_dim_stride == 1 && p.v_dim_stride == 1;
+        KvTile kts[kMaxRuns], vts[kMaxRuns];
         Hidden hidden(it);
         bool hid = false;  // some block hid keys from some row
         for (int64_t c0 = lo_min, nc = 0; c0 <= hi_max; c0 += nc) {
             nc = (hi_max + 1 - c0) < BC ? (hi_max + 1 - c0) : BC;
-            if (block_tiles && p.block_size - c0 % p.block_size < nc) nc = p.block_size - c0 % p.block_size;
-            const KvTile kt = tile<0>(p, it, c0, nc, nk, k_head, kp, scratch + L.ks, ctx.shared);
-            const KvTile vt = tile<1>(p, it, c0, nc, nk, v_head, vp, scratch + L.vs, ctx.shared);
+            int64_t run = nc;  // keys per run
+            if (block_tiles) {
+                const int64_t left = p.block_size - c0 % p.block_size;
+                if (runs && left == p.block_size) run = p.block_size;  // whole blocks from c0 on
+                else if (left < nc) nc = left;
+            }
+            const int nruns = int((nc + run - 1) / run);
+            for (int i = 0; i < nruns; ++i) {
+                const int64_t c = i * run, n = nc - c < run ? nc - c : run;
+                SharedTiles* shared = nruns == 1 ? ctx.shared : nullptr;
+                kts[i] = tile<0>(p, it, c0 + c, n, nk, k_head, kp, scratch + L.ks, shared);
+                vts[i] = tile<1>(p, it, c0 + c, n, nk, v_head, vp, scratch + L.vs, shared);
+            }
             for (int64_t r0 = 0; r0 < M; r0 += RB) {
                 const int nv = int((M - r0) / W < RV ? (M - r0) / W : RV);
                 const int64_t rend = (r0 + nv * W < R) ? r0 + nv * W : R;
@@ -206,7 +238,8 @@ struct TileLoop {
                 const bool range_mask = blo_max > c0 || bhi_min < c0 + ncb - 1;
 
                 const RowBlock rows{r0, nv, int(rend - r0), row_kv_head + r0};
-                G::qk(ops, rows, kt, ncb, s);
+                for (int i = 0; i < nruns && i * run < ncb; ++i)
+                    G::qk(ops, rows, kts[i], ncb - i * run < run ? ncb - i * run : run, s + i * run * RB);
                 const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, softmax_scale,
                                              first_key, last_key, diagonal, slope, mask_row_offset, mask_values, s);
                 softmax_update(ops, nv, ncb, s, pb, mrow + r0, lrow + r0, r0, biased ? 1.f : softmax_scale);
@@ -216,7 +249,10 @@ struct TileLoop {
                 const KvTile* clean = careful && hides && hidden.dirty(p, it, c0, nc, ncb, blo_max, bhi_min)
                                           ? hidden.clean_tile(p, it, c0, nc, M)
                                           : nullptr;
-                G::pv(ops, rows, pb, ncb, clean ? *clean : vt);
+                if (clean) G::pv(ops, rows, pb, ncb, *clean);
+                else
+                    for (int i = 0; i < nruns && i * run < ncb; ++i)
+                        G::pv(ops, rows, pb + i * run * RB, ncb - i * run < run ? ncb - i * run : run, vts[i]);
                 if (clean) hidden.add_seen(p, it, c0, ncb, r0, rend, row_kv_head, first_key, last_key, mask_row_offset);
             }
         }
@@ -484,8 +520,8 @@ struct TileLoop {
 
     // The scale array of K (kWhich = 0) or V of a quantized cache: its strides, and the scale of
     // key position pos of the item's first kv head (nullptr without scales: every scale is 1).
-    // Policies reading codes get key c0's pointer with the tile (a tile never crosses a cache block
-    // there: they have kTilesEndAtBlocks).
+    // Policies reading codes get key c0's pointer with the tile (a tile, or a run of one, never
+    // crosses a cache block there: they have kTilesEndAtBlocks).
     struct ScaleStrides {
         int64_t batch, row, head;
     };
