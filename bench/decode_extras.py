@@ -1,14 +1,16 @@
 """Decode measurements the CLI does not sweep: paged vs contiguous KV cache, B=1 (split-KV) vs
 B=16 per byte, and the Python-side overhead of a tiny decode call.
 
-    python bench/decode_extras.py [--threads N] [--repeat R]
+    python bench/decode_extras.py [--threads N] [--repeat R] [--dtype fp32|bf16] [--kv-dtype int8|fp8]
 
 Prints one table; every row is a median of --repeat timed samples after a warm-up (fa2cpu.bench's
-timing routine), fa2cpu only.
+timing routine), fa2cpu only. --kv-dtype: the paged / contiguous rows read a quantized cache
+(codes + float32 scales, by the library's append rule; GB/s counts both) with --dtype queries.
 """
 import argparse
 import platform
 
+import ml_dtypes
 import numpy as np
 
 import fa2cpu
@@ -16,17 +18,18 @@ from fa2cpu import _core
 from fa2cpu.bench import DTYPES, dtype_name, median_time
 
 
-def paged_copy(k_cache, v_cache, block_size, rng):
-    """The same cache as (num_blocks, block_size, Hk, D) blocks in shuffled order + block table."""
-    B, N, Hk, D = k_cache.shape
+def paged_copy(arrays, block_size, rng):
+    """The same (B, N, ...) arrays as (num_blocks, block_size, ...) blocks in one shuffled order
+    + block table."""
+    B, N = arrays[0].shape[:2]
     nb = N // block_size
-    perm = rng.permutation(B * nb).astype(np.int32)
-    table = perm.reshape(B, nb)
-    kp = np.empty((B * nb, block_size, Hk, D), k_cache.dtype)
-    vp = np.empty_like(kp)
-    kp[table.ravel()] = k_cache.reshape(B * nb, block_size, Hk, D)
-    vp[table.ravel()] = v_cache.reshape(B * nb, block_size, Hk, D)
-    return kp, vp, table
+    table = rng.permutation(B * nb).astype(np.int32).reshape(B, nb)
+    out = []
+    for x in arrays:
+        p = np.empty((B * nb, block_size) + x.shape[2:], x.dtype)
+        p[table.ravel()] = x.reshape((B * nb, block_size) + x.shape[2:])
+        out.append(p)
+    return out, table
 
 
 def main(argv=None):
@@ -34,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=_core.max_threads(), help="threads (default: OpenMP max)")
     ap.add_argument("--repeat", type=int, default=7, help="timed calls per row (default 7)")
     ap.add_argument("--dtype", default="fp32", type=dtype_name, help="cache dtype, fp32 or bf16 (default fp32)")
+    ap.add_argument("--kv-dtype", default=None, choices=("int8", "fp8"),
+                    help="a quantized cache for the paged / contiguous rows (queries: --dtype)")
     a = ap.parse_args(argv)
     dt = DTYPES[a.dtype]
     rng = np.random.default_rng(0)
@@ -44,21 +49,39 @@ def main(argv=None):
     print("|---|---|--:|--:|--:|")
 
     B, Hq, Hk, N, D = 16, 32, 8, 8192, 128
-    k = rng.standard_normal((B, N, Hk, D), dtype=np.float32).astype(dt)
-    v = rng.standard_normal((B, N, Hk, D), dtype=np.float32).astype(dt)
     q = rng.standard_normal((B, 1, Hq, D), dtype=np.float32).astype(dt)
-    nbytes = k.nbytes + v.nbytes
-    t_contig = median_time(lambda: fa2cpu.flash_attention_with_kvcache(q, k, v, num_threads=nt), a.repeat)
-    shape = f"B={B} Hq={Hq} Hk={Hk} Nk={N} D={D} {a.dtype}"
+    if a.kv_dtype:
+        from fa2cpu.attention import _quantize
+        code = np.dtype(np.int8) if a.kv_dtype == "int8" else np.dtype(ml_dtypes.float8_e4m3fn)
+        cache = []  # k, v codes, then k, v scales
+        for _ in range(2):
+            c, sc = np.empty((B, N, Hk, D), code), np.empty((B, N, Hk), np.float32)
+            for b in range(B):
+                c[b], sc[b] = _quantize(rng.standard_normal((N, Hk, D), np.float32), c, True)
+            cache.append((c, sc))
+        cache = [cache[0][0], cache[1][0], cache[0][1], cache[1][1]]
+        kv_name = a.kv_dtype
+    else:
+        cache = [rng.standard_normal((B, N, Hk, D), dtype=np.float32).astype(dt) for _ in range(2)]
+        kv_name = a.dtype
+
+    def call(arrays, **kw):
+        scales = dict(k_scale=arrays[2], v_scale=arrays[3]) if a.kv_dtype else {}
+        return lambda: fa2cpu.flash_attention_with_kvcache(q, arrays[0], arrays[1], num_threads=nt, **scales, **kw)
+
+    nbytes = sum(x.nbytes for x in cache)
+    t_contig = median_time(call(cache), a.repeat)
+    shape = f"B={B} Hq={Hq} Hk={Hk} Nk={N} D={D} {kv_name} cache" + (f", {a.dtype} q" if a.kv_dtype else "")
     print(f"| contiguous cache | {shape} | {t_contig * 1e3:.1f} | {nbytes / t_contig / 1e9:.1f} | 1.00x |")
-    for bs in (16, 256):
-        kp, vp, table = paged_copy(k, v, bs, rng)
-        t = median_time(lambda: fa2cpu.flash_attention_with_kvcache(q, kp, vp, block_table=table,
-                                                                   cache_seqlens=N, num_threads=nt), a.repeat)
+    for bs in (16, 64, 256):
+        paged, table = paged_copy(cache, bs, rng)
+        t = median_time(call(paged, block_table=table, cache_seqlens=N), a.repeat)
         print(f"| paged, block {bs} | {shape} | {t * 1e3:.1f} | {nbytes / t / 1e9:.1f} | {t / t_contig:.2f}x |")
-        del kp, vp
+        del paged
+    if a.kv_dtype:
+        return
     per_byte16 = t_contig / nbytes
-    del k, v
+    del cache
 
     B1, H1 = 1, 32
     k = rng.standard_normal((B1, N, H1, D), dtype=np.float32).astype(dt)

@@ -141,9 +141,11 @@ struct DecodeOperands {
                        int64_t head_stride, int64_t n, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         const T* src = static_cast<const T*>(base);
         if (dim_stride == 1) {
-            KvTile t{src + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, head_stride,
-                     prefetch_delta(p, batch_stride, row_stride, b, c0)};
-            t.prefetch_near = near_prefetch(p, batch_stride, row_stride, b, c0);
+            KvTile t{src + k_row_offset(p, b, c0, batch_stride, row_stride) + head, row_stride, head_stride, 0};
+            // (paged: whole KBLK blocks ahead, so that the switch falls between key blocks; see aim)
+            const int64_t far = p.block_table ? round_up(prefetch_keys(row_stride), KBLK) : prefetch_keys(row_stride);
+            aim(p, batch_stride, row_stride, b, c0, far, t.prefetch, t.prefetch2, t.far_switch);
+            aim(p, batch_stride, row_stride, b, c0, KBLK, t.prefetch_near, t.prefetch_near2, t.near_switch);
             return t;
         }
         T* out = reinterpret_cast<T*>(buf);
@@ -156,42 +158,35 @@ struct DecodeOperands {
         t.prefetch_near = KBLK * np;
         return t;
     }
-    // Prefetch distance (elements): prefetch_keys rows further on for a contiguous cache and for
-    // a paged one whose blocks hold at least 8 times that many keys; for smaller blocks the same
-    // row prefetch_keys / block_size blocks further on in the sequence (at least the next block:
-    // blocks are scattered, out of reach of hardware prefetchers), 0 at the last block. In a
-    // large block the next block's row is too far ahead (block 256 at 8 kv heads: 1 MB of
-    // float32), while a prefetch within the block leaves its first prefetch_keys keys
-    // unprefetched (those of the block before ask for lines past it). Measured in process, 2-core
-    // Xeon with AMX, 2 threads (bench/RESULTS.md session 50): block 256 float32 / bf16 / int8
-    // 1.63x / 1.31x / 1.09x faster in the block than at the next block, float32 block 64 1.03x;
-    // at 2-4 times (bf16 and int8 block 64, float32 block 16) 0.72-0.82x. An int8 cache of
-    // 16-key blocks (1 KB a key at 8 kv heads) prefetches 2 blocks ahead, 32 KB as a contiguous
-    // one does: 1.07-1.12x faster than at the next block (session 51).
-    static constexpr int64_t kPrefetchInBlock = 8;
-    static bool prefetch_next_block(const Params& p, int64_t row_stride) {
-        return p.block_table && kPrefetchInBlock * prefetch_keys(row_stride) > p.block_size;
-    }
-    static int64_t prefetch_delta(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
-        if (!prefetch_next_block(p, row_stride)) return prefetch_keys(row_stride) * row_stride;
-        return block_delta(p, batch_stride, b, c0, std::max<int64_t>(1, prefetch_keys(row_stride) / p.block_size));
-    }
-    // From key c0's block to the same row `ahead` blocks further on in the sequence (or its last
-    // block, 0 if that is c0's: only validated block-table entries are read).
-    static int64_t block_delta(const Params& p, int64_t batch_stride, int64_t b, int64_t c0, int64_t ahead) {
-        const int64_t cur = c0 / p.block_size, last = (seq_nk(p, b) - 1) / p.block_size;
-        const int64_t next = cur + ahead < last ? cur + ahead : last;
-        if (next <= cur) return 0;
+    // Prefetch distances (elements) of a tile starting at key c0: the rows `keys` further on in the
+    // sequence (far: prefetch_keys; near: KBLK). Contiguous: keys * row_stride. Paged: where those
+    // rows lie in the block table (blocks are scattered, out of reach of hardware prefetchers):
+    // for the tile's first key `kf` blocks on, and from key `sw` of the tile on (if the tile
+    // reaches it) one block further; a target past the sequence's last block gives 0 (only
+    // validated block-table entries are read). The decode loops pick the distance per KBLK block
+    // (KvTile::far_at / near_at), so a paged cache's far distance is rounded up to whole KBLK
+    // blocks (float32 at 8 kv heads: 16 keys, 64 KB, not 8; with 8 the switch fell inside the
+    // only key block of a 16-key block and its second half went unprefetched: 0.70x). An int8
+    // cache of 16-key blocks (1 KB a key at 8 kv heads) is prefetched 2 blocks ahead; one of
+    // 64-key blocks 32 keys on within the block, its last 32 rows in the next block. Before
+    // (session 50: the same row of the next block, and within blocks of >= 8x prefetch_keys keys
+    // no next block at all), in process on the 2-core Xeon with AMX, 2 threads, both load orders
+    // (bench/RESULTS.md session 51): int8 blocks 32 / 64 / 256 1.10-1.11x / 1.15-1.21x /
+    // 1.06-1.14x faster, bf16 blocks 32 / 64 / 256 1.04x / 1.05-1.09x / 1.02-1.05x, float32
+    // blocks 64 / 256 1.07x / 1.00-1.04x; blocks of 16 (int8, bf16, float32) unchanged.
+    static void aim(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0, int64_t keys,
+                    int64_t& first, int64_t& second, int64_t& sw) {
+        if (!p.block_table) { first = keys * row_stride; return; }
+        const int64_t bs = p.block_size, cur = c0 / bs, o = c0 % bs, kf = (o + keys) / bs;
+        const int64_t last = (seq_nk(p, b) - 1) / bs;
         const int32_t* row = p.block_table + b * p.block_table_batch_stride;
-        return (int64_t(row[next]) - int64_t(row[cur])) * batch_stride;
-    }
-    // The near prefetch (the int8 / float8 routes ask for lines one KBLK block on into L1): KBLK
-    // rows on, except where the far prefetch goes to a paged cache's later blocks: rows KBLK on in
-    // a block of 16 keys are some other block's, so the near prefetch asks for the same row of
-    // the next block (int8, block 16: 1.39x faster at 2 threads, 1.25x at 16; block 64
-    // 1.02-1.03x).
-    static int64_t near_prefetch(const Params& p, int64_t batch_stride, int64_t row_stride, int64_t b, int64_t c0) {
-        return prefetch_next_block(p, row_stride) ? block_delta(p, batch_stride, b, c0, 1) : KBLK * row_stride;
+        auto to = [&](int64_t k) {  // from row o of block cur to row o + keys - k*bs of block cur + k
+            if (cur + k > last) return int64_t(0);
+            return (int64_t(row[cur + k]) - int64_t(row[cur])) * batch_stride + (keys - k * bs) * row_stride;
+        };
+        first = to(kf);
+        second = to(kf + 1);
+        sw = (kf + 1) * bs - keys - o;
     }
     static KvTile k_tile(const Params& p, int64_t b, int64_t c0, int64_t nc, int64_t head, float* buf) {
         return tile(p, p.k, p.k_batch_stride, p.k_row_stride, p.k_dim_stride, p.k_head_stride, p.d, b, c0, nc, head, buf);

@@ -103,8 +103,8 @@ struct DecodeGemm : DecodeOperands<E, 4> {
         const int64_t D = x.d, Dp = dp(D), ldk = kt.ld;
         const float* q = x.q + block.r0 * Dp;
         B::for_groups(block, kt, nc, [&](int64_t cb, int64_t ce, int r, const int64_t* off, const Scales& ks, bool one, bool pf) {
-            if (one) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, pf);
-            else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.prefetch, pf);
+            if (one) qk_group<true>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.far_at(cb), pf);
+            else qk_group<false>(q + r * Dp, Dp, D, k, ldk, off, ks, cb, ce, s + r, kt.far_at(cb), pf);
         });
     }
     template <bool kOneHead>
@@ -239,8 +239,8 @@ struct DecodeGemm : DecodeOperands<E, 4> {
         const int64_t Dv = x.dv, n = dp(Dv), ldv = vt.ld;
         B::for_groups(block, vt, nc, [&](int64_t cb, int64_t ce, int r, const int64_t* off, const Scales& vs, bool one, bool pf) {
             float* orow = x.o + (block.r0 + r) * n;
-            if (one) pv_group<true>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, pf);
-            else pv_group<false>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.prefetch, pf);
+            if (one) pv_group<true>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.far_at(cb), pf);
+            else pv_group<false>(s + r, cb, ce, v, ldv, off, vs, Dv, orow, n, vt.far_at(cb), pf);
         });
     }
 };
@@ -494,8 +494,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 int64_t off[RG];
                 head_offsets(kv_head, r, kt, off);
                 const bool first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
-                if (off[0] == off[RG - 1]) qk_group<true>(qr + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, kt.prefetch_near, first_of_head);
-                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.prefetch, kt.prefetch_near, true);
+                if (off[0] == off[RG - 1]) qk_group<true>(qr + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.far_at(cb), kt.near_at(cb), first_of_head);
+                else qk_group<false>(q + r * Dq, D, k, ldk, off, cb, ce, s + r, kt.far_at(cb), kt.near_at(cb), true);
             }
         }
         const float* qs = row_scales(x.q, x.M, D) + block.r0;
@@ -737,8 +737,8 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
                 head_offsets(kv_head, r, vt, off);
                 const bool one = off[0] == off[RG - 1], first_of_head = r == 0 || kv_head[r - 1] != kv_head[r];
                 float* o = x.o + (block.r0 + r) * n;
-                if (one_block) pv_columns<true>(pairs + r, cb, ce, v, ldv, off, Dv, acc + r * na, na, vt.prefetch, vt.prefetch_near, one, first_of_head, o, n, wscale + r);
-                else pv_columns<false>(pairs + r, cb, ce, v, ldv, off, Dv, acc + r * na, na, vt.prefetch, vt.prefetch_near, one, first_of_head, o, n, wscale + r);
+                if (one_block) pv_columns<true>(pairs + r, cb, ce, v, ldv, off, Dv, acc + r * na, na, vt.far_at(cb), vt.near_at(cb), one, first_of_head, o, n, wscale + r);
+                else pv_columns<false>(pairs + r, cb, ce, v, ldv, off, Dv, acc + r * na, na, vt.far_at(cb), vt.near_at(cb), one, first_of_head, o, n, wscale + r);
             }
         }
         if (one_block) return;

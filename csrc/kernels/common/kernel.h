@@ -44,9 +44,14 @@ struct Partials {
 struct KvTile {
     const void* data;
     int64_t ld, head_stride, prefetch;
-    // (decode policies) the near prefetch's distance in elements (decode_operands.h): KBLK rows on,
-    // or, where `prefetch` points into a paged cache's next block, that block too
+    // (decode policies, decode_operands.h) the near prefetch's distance in elements; in a paged
+    // cache the rows prefetched lie in a later block for the tile's keys from far_switch /
+    // near_switch on, which then take prefetch2 / prefetch_near2 instead (far_at / near_at: the
+    // distances of the key block starting at key c of the tile)
     int64_t prefetch_near = 0;
+    int64_t far_switch = INT64_MAX, near_switch = INT64_MAX, prefetch2 = 0, prefetch_near2 = 0;
+    int64_t far_at(int64_t c) const { return c < far_switch ? prefetch : prefetch2; }
+    int64_t near_at(int64_t c) const { return c < near_switch ? prefetch_near : prefetch_near2; }
     const float* scale = nullptr;
     int64_t scale_ld = 0, scale_head_stride = 0;
     bool panels = false;  // V in the policy's v_panels layout (gemm_f32.h), not rows
