@@ -42,9 +42,9 @@ struct HasVPanels : std::false_type {};
 template <class G>
 struct HasVPanels<G, std::void_t<decltype(&G::v_panels)>> : std::true_type {};
 
-// The smallest cache block of a paged cache that policy G reads as runs of a longer tile
-// (G::kRunKeys, decode_operands.h; 0: G's tiles never cross a block when it has
-// kTilesEndAtBlocks).
+// Policy G's tiles of a paged cache span blocks of G::kRunKeys to 2 G::kRunKeys - 1 keys, one run
+// per block (decode_operands.h; run_pass); 0: G's tiles never cross a block when it has
+// kTilesEndAtBlocks.
 template <class G, class = void>
 struct RunKeys { static constexpr int64_t value = 0; };
 template <class G>
@@ -538,11 +538,11 @@ struct TileLoop {
     }
     // A paged quantized cache's scales of the keys kScalePrefetchKeys further on are prefetched
     // into L2 when a tile is made (tile above; every line of the keys' span where rows are
-    // shorter than a line, else each key's first line). Blocks are scattered, so no hardware prefetcher finds them, and
-    // each tile's first use of its scales waited on memory: int8 block 16 1.05-1.07x faster, block
-    // 64 1.02-1.04x, 256 1.00x (2-core Xeon with AMX, 2 threads; 32 keys ahead 1.05x at block 16;
-    // bench/RESULTS.md session 51).
-    // Contiguous caches' scales stream in order (prefetching them measured noise, session 50).
+    // shorter than a line, else each key's first line). Blocks are scattered, so no hardware
+    // prefetcher finds them, and each tile's first use of its scales waited on memory: int8 block
+    // 16 1.05-1.07x faster, block 64 1.02-1.04x, 256 1.00x (2-core Xeon with AMX, 2 threads; 32
+    // keys ahead 1.05x at block 16; bench/RESULTS.md session 51). Contiguous caches' scales
+    // stream in order (prefetching them measured noise, session 50).
     static constexpr int64_t kScalePrefetchKeys = 64;
     template <int kWhich>
     static const float* scale_at(const Params& p, const WorkItem& it, int64_t pos) {
