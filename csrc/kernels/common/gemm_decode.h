@@ -695,9 +695,11 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
     // Every column block of one row group and key block: whole 64-column blocks with plain loads,
     // then the tail (33..63 or 1..32 columns) masked.
     template <bool kOne>
-    static inline __attribute__((always_inline)) void pv_columns(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
-                           int64_t Dv, int32_t* a, int64_t lda, int64_t pf, int64_t pf0, bool one, bool first_of_head,
-                           float* o, int64_t ldo, const float* wscale) {
+    static inline __attribute__((always_inline)) void pv_columns(const int32_t* wp, int64_t cb, int64_t ce, const Code* v,
+                                                                 int64_t ldv, const int64_t* off, int64_t Dv, int32_t* a,
+                                                                 int64_t lda, int64_t pf, int64_t pf0, bool one,
+                                                                 bool first_of_head, float* o, int64_t ldo,
+                                                                 const float* wscale) {
         const bool pfo = one ? first_of_head : true;
         int64_t j = 0;
         for (; j + 64 <= Dv; j += 64) {

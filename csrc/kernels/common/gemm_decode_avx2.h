@@ -709,9 +709,11 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
         _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(second, fv, _mm256_loadu_ps(o + 8)));
     }
     template <bool kOne>
-    static inline __attribute__((always_inline)) void pv_columns(const int32_t* wp, int64_t cb, int64_t ce, const Code* v, int64_t ldv, const int64_t* off,
-                           int64_t Dv, int32_t* a, int64_t lda, int64_t pf, int64_t pf0, bool one, bool first_of_head,
-                           float* o, int64_t ldo, const float* wscale) {
+    static inline __attribute__((always_inline)) void pv_columns(const int32_t* wp, int64_t cb, int64_t ce, const Code* v,
+                                                                 int64_t ldv, const int64_t* off, int64_t Dv, int32_t* a,
+                                                                 int64_t lda, int64_t pf, int64_t pf0, bool one,
+                                                                 bool first_of_head, float* o, int64_t ldo,
+                                                                 const float* wscale) {
         int64_t j = 0;
         for (; j + 16 <= Dv; j += 16) {  // whole 16-column blocks: plain loads
             if (one) pv_block<true, false, kOne>(wp, cb, ce, v, ldv, off, Dv, j, a, lda, pf, pf0, first_of_head, o, ldo, wscale);

@@ -238,8 +238,11 @@ struct TileLoop {
                 const bool range_mask = blo_max > c0 || bhi_min < c0 + ncb - 1;
 
                 const RowBlock rows{r0, nv, int(rend - r0), row_kv_head + r0};
-                for (int i = 0; i < nruns && i * run < ncb; ++i)
-                    G::qk(ops, rows, kts[i], ncb - i * run < run ? ncb - i * run : run, s + i * run * RB);
+                // f(i, c, n): run i, keys [c, c + n) of the ncb computed
+                auto each_run = [&](auto&& f) {
+                    for (int i = 0; i < nruns && i * run < ncb; ++i) f(i, i * run, ncb - i * run < run ? ncb - i * run : run);
+                };
+                each_run([&](int i, int64_t c, int64_t n) { G::qk(ops, rows, kts[i], n, s + c * RB); });
                 const bool biased = epilogue(p, nv, r0, c0, ncb, range_mask, use_softcap, cap_l2, softmax_scale,
                                              first_key, last_key, diagonal, slope, mask_row_offset, mask_values, s);
                 softmax_update(ops, nv, ncb, s, pb, mrow + r0, lrow + r0, r0, biased ? 1.f : softmax_scale);
@@ -250,9 +253,7 @@ struct TileLoop {
                                           ? hidden.clean_tile(p, it, c0, nc, M)
                                           : nullptr;
                 if (clean) G::pv(ops, rows, pb, ncb, *clean);
-                else
-                    for (int i = 0; i < nruns && i * run < ncb; ++i)
-                        G::pv(ops, rows, pb + i * run * RB, ncb - i * run < run ? ncb - i * run : run, vts[i]);
+                else each_run([&](int i, int64_t c, int64_t n) { G::pv(ops, rows, pb + c * RB, n, vts[i]); });
                 if (clean) hidden.add_seen(p, it, c0, ncb, r0, rend, row_kv_head, first_key, last_key, mask_row_offset);
             }
         }
