@@ -300,6 +300,34 @@ def test_untimed_reference_when_no_baseline(tmp_path, capsys):
     assert rec["error_ref"] == "reference" and rec["check"] == "ok"
 
 
+def test_untimed_reference_runs_after_every_timed_call_of_its_case(capsys, monkeypatch):
+    """The NumPy reference (its memory traffic, OpenBLAS's busy-waiting threads) never runs
+    before or between the timed calls it checks; a wrong answer is still flagged."""
+    events = []
+    real_ref, real_fa = bench.sweep.reference_output, fa2cpu.flash_attention_with_kvcache
+
+    def reference(case, x):
+        events.append("reference")
+        return real_ref(case, x)
+
+    def off_by_a_bit(*args, **kwargs):
+        events.append("fa2cpu")
+        out = real_fa(*args, **kwargs)
+        return out + np.asarray(0.05, out.dtype)
+
+    monkeypatch.setattr(bench.sweep, "reference_output", reference)
+    monkeypatch.setattr(bench.sweep, "SETTLE_AFTER_BLAS_S", 0.0)
+    monkeypatch.setattr(fa2cpu, "flash_attention_with_kvcache", off_by_a_bit)
+    code, out, _ = run_main(capsys, "--mode", "decode", "--seqlen-k", "100", "--heads", "4",
+                            "--dtype", "bf16", "--kv-dtype", "int8", "--baselines", "none")
+    assert code == 1 and "FAIL" in out
+    # two cases (the float and the int8 cache), each: its timed calls, then one reference
+    assert events.count("reference") == 2, events
+    for case in " ".join(events).split("reference")[:-1]:
+        assert case.split() and set(case.split()) == {"fa2cpu"}, events
+    assert events[-1] == "reference"
+
+
 def test_missing_torch_is_a_note_not_a_traceback(capsys, monkeypatch):
     monkeypatch.setattr(bench.peers, "import_torch", lambda: None)
     code, out, err = run_main(capsys, "--mode", "prefill", "--dtype", "fp32", "--no-causal",
