@@ -1,4 +1,4 @@
-# bwd_multi.py T H N CAUSAL DTYPE REPS PKG_DIR...: in-process backward A/B of several builds (base = the first; a build loaded first runs slower here, so put a sacrificial copy first)
+# bwd_multi.py T H N CAUSAL DTYPE REPS PKG_DIR...: in-process backward A/B of several builds (base = the first). Copies of one build read within +-3 % here, and the build loaded first read up to 4-5 % slow in some runs: load a sacrificial copy first and run both orders.
 import sys, tempfile, numpy as np, ml_dtypes, os
 _root = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..', '..'); sys.path.insert(0, os.path.join(_root, 'bench')); sys.path.append(_root)
 import ab_inproc as ab
