@@ -267,17 +267,24 @@ struct AmxProducts {
         tile_gemm<false>(x.kr + ck * x.ldq, x.ldq, nullptr, 0, x.qp + r0, kGroupRows, x.ldq / 2, np, rows, s, RB);
         tile_gemm<false>(x.vr + ck * x.ldo, x.ldo, nullptr, 0, x.dop + r0, kGroupRows, x.ldo / 2, np, rows, dp, RB);
     }
-    // P^T, dS^T and the dS pairs straight from the softmax gradient (gemm_bf16.h); nothing in float32.
-    static void store_gradient_pair(Bufs& x, int64_t c, int v, bool both, __m512 pr0, __m512 ds0, __m512 pr1, __m512 ds1) {
-        store_gradient_pair_bf16<kGroupRows>(x.pT + x.r0, x.dsT + x.r0, x.dsp + x.r0, c, v, both, pr0, ds0, pr1, ds1);
-    }
+    // P^T, dS^T and the dS pairs straight from the softmax gradient (gemm_bf16.h); nothing in
+    // float32. BackwardLoop takes a PairStore per row block: its pointers live in locals, where a
+    // call through Bufs reloaded them after every vector store (which may alias Bufs' fields).
+    struct PairStore {
+        uint16_t *pT, *dsT;
+        uint32_t* dsp;
+        void operator()(int64_t c, int v, bool both, __m512 pr0, __m512 ds0, __m512 pr1, __m512 ds1) const {
+            store_gradient_pair_bf16<kGroupRows>(pT, dsT, dsp, c, v, both, pr0, ds0, pr1, ds1);
+        }
+    };
+    static PairStore pair_store(const Bufs& x) { return {x.pT + x.r0, x.dsT + x.r0, x.dsp + x.r0}; }
     // The run's rows [r0, r0 + real) (whole blocks of RB but the group's last, all of one key
     // range; rows to kRowAlign are padding, P = dS = 0): dV and dK reduce over all of them at
     // once, dQ^T block by block (its panels).
     static void updates(Bufs& x, int, int64_t r0, int64_t real, int64_t ck, int64_t n, int64_t, const float*,
                         const float*, float* dkall, float* dvall, float* dqT) {
         const int64_t np = round_up(n, 32), rows = round_up(real, kRowAlign);
-        // P^T, dS^T (store_gradient_pair) zero past n, the dS pairs past ceil(n / 2).
+        // P^T, dS^T (pair_store) zero past n, the dS pairs past ceil(n / 2).
         for (int64_t c = n; c < np; ++c)
             for (int64_t r = r0; r < r0 + rows; r += W) {
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + c * kGroupRows + r), _mm256_setzero_si256());

@@ -7,7 +7,7 @@
 // Intel cores, tdpbf16ps at ~13x). A policy also states the padding its operands need
 // (kRowAlign, kFeatureAlign, kKeyPad, dq_features), its row block RB, and may stage rows
 // (pack_row, then finish_rows once per group) and store P / dS its own way (store_gradients, or
-// store_gradient_pair two keys at a time: the amx policy writes its bf16 operands directly).
+// pair_store two keys at a time: the amx policy writes its bf16 operands directly).
 //
 // Work split (csrc/driver/backward.cpp plans it; kernel.h BackwardItem): an item owns the keys
 // [kb, ke) of one kv head of one sequence and every query row that can see one of them (all
@@ -42,7 +42,7 @@
 //   first_key, last_key, diagonal [GR] int64: visible keys of the row within [kb, ke), its diagonal
 //   s, dp [P::kUpdateBlocks][BC][RB]: S then P, dP then dS, of up to kUpdateBlocks row blocks of
 //                        one key range (key c, row lane r of the block at c*RB + r of its slot);
-//                        a policy with store_gradient_pair leaves S and dP there and keeps P / dS
+//                        a policy with pair_store leaves S and dP there and keeps P / dS
 //                        in operands of its own
 //
 // Per (key tile, row block) with visible keys, on the sub-range [cb, ce) of keys some row of the
@@ -269,12 +269,12 @@ struct BackwardLoop {
     static constexpr int64_t BC = F32Gemm<V>::BC;
     static constexpr int64_t kGroupRows = P::kGroupRows;
     static constexpr int64_t kSlot = BC * RB;  // floats of one row block's S / P (or dP / dS): [BC][RB]
-    // Policies with store_gradient_pair (backward_amx.h) take P and dS two keys at a time, so dS
+    // Policies with pair_store (backward_amx.h) take P and dS two keys at a time, so dS
     // goes straight into its key pairs instead of through float32 dS in dp.
     template <class X, class = void>
     struct HasPairGradients : std::false_type {};
     template <class X>
-    struct HasPairGradients<X, std::void_t<decltype(&X::store_gradient_pair)>> : std::true_type {};
+    struct HasPairGradients<X, std::void_t<decltype(&X::pair_store)>> : std::true_type {};
     static constexpr bool kPairGradients = HasPairGradients<P>::value;
     // Policies with pack_row_raw / pack_key_raw / finish_keys (backward_amx.h) take contiguous
     // bf16 rows as they are (their operands are bf16), not through float32 rows.
@@ -648,18 +648,48 @@ struct BackwardLoop {
         const bool use_softcap = p.softcap > 0.f, alibi = p.alibi != nullptr;
         const vec qs = V::set1(use_softcap ? p.scale / p.softcap : p.scale * kLog2e);
         const vec cap = V::set1(p.softcap * kLog2e), one = V::set1(1.f), ds_scale = V::set1(p.scale), zero = V::zero();
+        // A policy whose P and dS feed bf16 products only (pair_store) takes P from
+        // exp2_bf16p (3.0e-6 relative error, far below the 2^-9 of their bf16 rounding) and dS as
+        // P (dP scale - D_i scale) with D_i scale per row (one fused op fewer than scale P (dP -
+        // D_i)); the float32-operand policies keep exp2 and scale P (dP - D_i). Together with the
+        // loop below (the rows' LSE and D_i in registers) and store_gradient_pair_bf16 converting both
+        // keys at once, the amx backward ran 1.04-1.06x faster (2-core Xeon with AMX, bf16 B=1 H=16
+        // N=2048 D=128, 1 and 2 threads; bench/RESULTS.md session 53).
+        auto p_exp2 = [](vec x) {
+            if constexpr (kPairGradients) return V::exp2_bf16p(x);
+            else return V::exp2(x);
+        };
+        alignas(64) float dsc[RV * W];  // D_i scale (the pair policies' dS)
         if constexpr (kPairGradients) {
+            for (int v = 0; v < nv; ++v) V::store(dsc + v * W, V::mul(V::load(delta + r0 + v * W), ds_scale));
             if (!use_softcap && !alibi && !range_mask) {  // keys outer, vectors inner: s, dp in address order
-                auto grad = [&](int64_t c, int v, vec& pr, vec& ds) {  // the loop below without its options
-                    pr = V::exp2(V::sub(V::mul(V::load(s + c * RB + v * W), qs), V::load(lse2 + r0 + v * W)));
-                    ds = V::mul(V::mul(pr, V::sub(V::load(dp + c * RB + v * W), V::load(delta + r0 + v * W))), ds_scale);
+                const auto store = P::pair_store(ops);
+                // P, dS of key c for row vector v (the loop below without its options)
+                auto grad = [&](int64_t c, int v, vec l2, vec dsv, vec& pr, vec& ds) {
+                    pr = p_exp2(V::sub(V::mul(V::load(s + c * RB + v * W), qs), l2));
+                    ds = V::mul(pr, V::sub(V::mul(V::load(dp + c * RB + v * W), ds_scale), dsv));
                 };
-                for (int64_t c = 0; c < n; c += 2)
+                int64_t c = 0;
+                if (nv == RV) {  // a whole block: its rows' LSE and D_i scale stay in registers
+                    vec l2[RV], dsv[RV];
+                    for (int v = 0; v < RV; ++v) l2[v] = V::load(lse2 + r0 + v * W), dsv[v] = V::load(dsc + v * W);
+                    for (; c + 1 < n; c += 2) {
+#pragma GCC unroll 8
+                        for (int v = 0; v < RV; ++v) {
+                            vec pr0, ds0, pr1, ds1;
+                            grad(c, v, l2[v], dsv[v], pr0, ds0);
+                            grad(c + 1, v, l2[v], dsv[v], pr1, ds1);
+                            store(c, v, true, pr0, ds0, pr1, ds1);
+                        }
+                    }
+                }
+                for (; c < n; c += 2)  // a smaller block; an odd last key with zeros
                     for (int v = 0; v < nv; ++v) {
+                        const vec l2 = V::load(lse2 + r0 + v * W), dsv = V::load(dsc + v * W);
                         vec pr0, ds0, pr1 = zero, ds1 = zero;
-                        grad(c, v, pr0, ds0);
-                        if (c + 1 < n) grad(c + 1, v, pr1, ds1);
-                        P::store_gradient_pair(ops, c, v, c + 1 < n, pr0, ds0, pr1, ds1);
+                        grad(c, v, l2, dsv, pr0, ds0);
+                        if (c + 1 < n) grad(c + 1, v, l2, dsv, pr1, ds1);
+                        store(c, v, c + 1 < n, pr0, ds0, pr1, ds1);
                     }
                 return;
             }
@@ -670,6 +700,7 @@ struct BackwardLoop {
             const RowBounds<V> rb = row_bounds<V>(first_key, last_key, diagonal, rv, cb, n);
             const vec lo = rb.lo, hi = rb.hi, rl = rb.rl, sl = V::load(slope + rv);
             const vec l2 = V::load(lse2 + rv), di = V::load(delta + rv);
+            const vec dis = kPairGradients ? V::load(dsc + v * W) : zero;
             // P and dS of key c for this vector of rows
             auto grad = [&](int64_t c, vec& pr, vec& ds) {
                 vec x = V::mul(V::load(s + c * RB + v * W), qs);
@@ -680,8 +711,9 @@ struct BackwardLoop {
                 }
                 const vec kc = V::set1(float(c));
                 if (alibi) x = V::fma(sl, V::abs(V::sub(rl, kc)), x);
-                pr = V::exp2(V::sub(x, l2));
-                ds = V::mul(V::mul(pr, V::sub(V::load(dp + c * RB + v * W), di)), ds_scale);
+                pr = p_exp2(V::sub(x, l2));
+                if constexpr (kPairGradients) ds = V::mul(pr, V::sub(V::mul(V::load(dp + c * RB + v * W), ds_scale), dis));
+                else ds = V::mul(V::mul(pr, V::sub(V::load(dp + c * RB + v * W), di)), ds_scale);
                 if (use_softcap) ds = V::mul(ds, V::sub(one, V::mul(t, t)));
                 if (range_mask) {
                     pr = V::mask_outside(pr, kc, lo, hi, zero);
@@ -689,11 +721,12 @@ struct BackwardLoop {
                 }
             };
             if constexpr (kPairGradients) {  // keys c, c+1 together (an odd last key with zeros)
+                const auto store = P::pair_store(ops);
                 for (int64_t c = 0; c < n; c += 2) {
                     vec pr0, ds0, pr1 = zero, ds1 = zero;
                     grad(c, pr0, ds0);
                     if (c + 1 < n) grad(c + 1, pr1, ds1);
-                    P::store_gradient_pair(ops, c, v, c + 1 < n, pr0, ds0, pr1, ds1);
+                    store(c, v, c + 1 < n, pr0, ds0, pr1, ds1);
                 }
             } else {
                 for (int64_t c = 0; c < n; ++c) {

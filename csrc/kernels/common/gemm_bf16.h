@@ -28,11 +28,12 @@ namespace {
 // 16 bf16 pairs (e0[i], e1[i]) as one uint32 each, e0 in the low half (round to nearest even):
 // the pair layout of this file. cvtne2ps_pbh(b, a) = [bf16(a) x16, bf16(b) x16]; the permute
 // interleaves it to a0 b0 a1 b1 ...
-inline __m512i bf16_pairs(__m512 e0, __m512 e1) {
+inline __m512i interleave_halves16(__m512i ab) {
     const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    return _mm512_permutexvar_epi16(inter, ab);
 }
+inline __m512i bf16_pairs(__m512 e0, __m512 e1) { return interleave_halves16((__m512i)_mm512_cvtne2ps_pbh(e1, e0)); }
 
 template <class V>
 struct Bf16Gemm : TransposedO<V> {
@@ -226,20 +227,27 @@ struct Bf16Gemm : TransposedO<V> {
 // of rows (lanes v*16..), stored without going through float32: P^T and dS^T as bf16 rows of
 // [key][RB] (the dV / dK operands) and dS as key pair c/2 of [pairs][RB] (the dQ operand, this
 // file's pair layout; ds1 is zero for an odd last key). backward_loop.h calls it through the amx
-// policy's store_gradient_pair (backward_amx.h: 1.00-1.03x, same bits). The vdpbf16ps policy
+// policy's pair_store (backward_amx.h: 1.00-1.03x, same bits). The vdpbf16ps policy
 // (backward_bf16.h) keeps float32 P / dS and converts them in its updates: this store measured
 // 0.987-0.996x there (2-core Xeon, FA2CPU_ISA=avx512bf16, bench/RESULTS.md session 38).
 template <int RB>
 inline void store_gradient_pair_bf16(uint16_t* pT, uint16_t* dsT, uint32_t* dsp, int64_t c, int v, bool both,
                                      __m512 pr0, __m512 ds0, __m512 pr1, __m512 ds1) {
     const int64_t at = c * RB + v * 16;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at), (__m256i)_mm512_cvtneps_pbh(pr0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at), (__m256i)_mm512_cvtneps_pbh(ds0));
-    if (both) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at + RB), (__m256i)_mm512_cvtneps_pbh(pr1));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at + RB), (__m256i)_mm512_cvtneps_pbh(ds1));
+    if (!both) {  // an odd last key: zeros for key c + 1 in the dS pair
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at), (__m256i)_mm512_cvtneps_pbh(pr0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at), (__m256i)_mm512_cvtneps_pbh(ds0));
+        _mm512_storeu_si512(dsp + (c / 2) * RB + v * 16, bf16_pairs(ds0, ds1));
+        return;
     }
-    _mm512_storeu_si512(dsp + (c / 2) * RB + v * 16, bf16_pairs(ds0, ds1));
+    // One conversion of both keys, [bf16(key c) x16, bf16(key c+1) x16]: its halves are the two
+    // P^T / dS^T rows, its interleave the dS pair (same bits as converting each; 1.01x, session 53).
+    const __m512i pp = (__m512i)_mm512_cvtne2ps_pbh(pr1, pr0), dd = (__m512i)_mm512_cvtne2ps_pbh(ds1, ds0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at), _mm512_castsi512_si256(pp));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pT + at + RB), _mm512_extracti64x4_epi64(pp, 1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at), _mm512_castsi512_si256(dd));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dsT + at + RB), _mm512_extracti64x4_epi64(dd, 1));
+    _mm512_storeu_si512(dsp + (c / 2) * RB + v * 16, interleave_halves16(dd));
 }
 
 }  // namespace
