@@ -648,13 +648,13 @@ struct BackwardLoop {
         const bool use_softcap = p.softcap > 0.f, alibi = p.alibi != nullptr;
         const vec qs = V::set1(use_softcap ? p.scale / p.softcap : p.scale * kLog2e);
         const vec cap = V::set1(p.softcap * kLog2e), one = V::set1(1.f), ds_scale = V::set1(p.scale), zero = V::zero();
-        // A policy whose P and dS feed bf16 products only (pair_store) takes P from
-        // exp2_bf16p (3.0e-6 relative error, far below the 2^-9 of their bf16 rounding) and dS as
-        // P (dP scale - D_i scale) with D_i scale per row (one fused op fewer than scale P (dP -
-        // D_i)); the float32-operand policies keep exp2 and scale P (dP - D_i). Together with the
-        // loop below (the rows' LSE and D_i in registers) and store_gradient_pair_bf16 converting both
-        // keys at once, the amx backward ran 1.04-1.06x faster (2-core Xeon with AMX, bf16 B=1 H=16
-        // N=2048 D=128, 1 and 2 threads; bench/RESULTS.md session 53).
+        // A policy whose P and dS feed bf16 products only (pair_store) takes P from exp2_bf16p
+        // (3.0e-6 relative error, far below the 2^-9 of their bf16 rounding) and dS as P (dP scale
+        // - D_i scale) with D_i scale per row (one fused op fewer than scale P (dP - D_i)); the
+        // float32-operand policies keep exp2 and scale P (dP - D_i). With the loop below (a
+        // block's LSE and D_i scale in registers) and store_gradient_pair_bf16 converting both
+        // keys at once, the amx backward ran 1.04-1.07x faster (2-core Xeon with AMX, bf16 B=1
+        // D=128 N=2048, 1 and 2 threads, full and causal; bench/RESULTS.md session 53).
         auto p_exp2 = [](vec x) {
             if constexpr (kPairGradients) return V::exp2_bf16p(x);
             else return V::exp2(x);
