@@ -1,31 +1,33 @@
 #!/bin/bash
 # AMX test machine: bash bench/tools/s53/s53b.sh (logs under $OUT). The AMX backward's softmax
-# gradient change (77a8cce) at 16 threads: in-process A/B of the amx family before (2a54f9a) and
-# after (bench/tools/s53/gradient.patch reversed; bwd_multi.py, a sacrificial copy of base loaded first, both orders), then phase timers
-# (bench/tools/s53/bwd_phase_timers.patch), the amx backward tests, and issue 11's
-# backward_vs_torch at 16 threads for H=16 N=2048 and H=32 N=4096 (this tree, all families).
+# gradient change (77a8cce..) at 16 threads: in-process A/B (bench/tools/s52/bwd_multi.py, a
+# sacrificial copy of base loaded first, both orders) of the amx family before (base: this tree
+# with bench/tools/s53/gradient.patch reversed), after (new: this tree) and taper (this tree with
+# session 48's bench/tools/s48/bwd_split_taper.patch: a kv head's key splits sized 4:3:2:1,
+# short items last); then phase timers (bench/tools/s53/bwd_phase_timers.patch), the amx
+# backward tests and issue 11's backward_vs_torch at 16 threads (H=16 N=2048, H=32 N=4096; this
+# tree, all families). Every build finishes before anything is timed.
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
 lscpu | grep -E "Model name|^Model:|^L2|^L3|^CPU\(s\)" > $OUT/s53b_machine.txt
-mkdir -p /tmp/s53_base /tmp/s53_new /tmp/s53_ph /tmp/s53_full
-for d in base new ph full; do cp -r setup.py pyproject.toml fa2cpu csrc README.md /tmp/s53_$d/; done
-(cd /tmp/s53_base && patch -R -p1 < $ROOT/bench/tools/s53/gradient.patch > $OUT/s53b_patch.log 2>&1; echo "base patch rc=$?")
-(cd /tmp/s53_ph && patch -p1 < $ROOT/bench/tools/s53/bwd_phase_timers.patch > /dev/null)
-for d in base new ph; do
-  (cd /tmp/s53_$d && rm -f fa2cpu/*.so && FA2CPU_DISABLE=avx512bf16,avx512,avx2 python3 setup.py build_ext --inplace -j5 > /tmp/build_$d.log 2>&1; echo "build $d rc=$?") &
+for d in base new taper ph full; do mkdir -p /tmp/s53_$d && cp -r setup.py pyproject.toml fa2cpu csrc README.md /tmp/s53_$d/; done
+(cd /tmp/s53_base && patch -R -p1 < $ROOT/bench/tools/s53/gradient.patch > /dev/null; echo "base patch rc=$?")
+(cd /tmp/s53_taper && patch -p1 < $ROOT/bench/tools/s48/bwd_split_taper.patch > /dev/null; echo "taper patch rc=$?")
+(cd /tmp/s53_ph && patch -p1 < $ROOT/bench/tools/s53/bwd_phase_timers.patch > /dev/null; echo "ph patch rc=$?")
+for d in base new taper ph; do
+  (cd /tmp/s53_$d && rm -f fa2cpu/*.so && FA2CPU_DISABLE=avx512bf16,avx512,avx2 python3 setup.py build_ext --inplace -j4 > /tmp/build_$d.log 2>&1; echo "build $d rc=$?") &
 done
 wait
-(cd /tmp/s53_full && rm -f fa2cpu/*.so && python3 setup.py build_ext --inplace -j16 > /tmp/build_full.log 2>&1; echo "build full rc=$?") &
+(cd /tmp/s53_full && rm -f fa2cpu/*.so && python3 setup.py build_ext --inplace -j16 > /tmp/build_full.log 2>&1; echo "build full rc=$?")
 cp -r /tmp/s53_base /tmp/s53_base2
 cd /tmp
 M=$ROOT/bench/tools/s52/bwd_multi.py
 {
-for c in "16 16 2048 0 bf16 9" "16 16 2048 1 bf16 9" "16 32 4096 0 bf16 3" "1 4 2048 0 bf16 5"; do
-  PYTHONPATH=/tmp/s53_base timeout 200 python3 $M $c /tmp/s53_base2/fa2cpu /tmp/s53_base/fa2cpu /tmp/s53_new/fa2cpu
-  PYTHONPATH=/tmp/s53_base timeout 200 python3 $M $c /tmp/s53_base2/fa2cpu /tmp/s53_new/fa2cpu /tmp/s53_base/fa2cpu
+for c in "16 16 2048 0 bf16 9" "16 16 2048 1 bf16 9" "16 32 4096 0 bf16 3" "16 16 2048 0 fp32 5" "1 4 2048 0 bf16 5"; do
+  PYTHONPATH=/tmp/s53_base timeout 200 python3 $M $c /tmp/s53_base2/fa2cpu /tmp/s53_base/fa2cpu /tmp/s53_new/fa2cpu /tmp/s53_taper/fa2cpu
+  PYTHONPATH=/tmp/s53_base timeout 200 python3 $M $c /tmp/s53_base2/fa2cpu /tmp/s53_taper/fa2cpu /tmp/s53_new/fa2cpu /tmp/s53_base/fa2cpu
 done
 } 2>&1 | tee $OUT/s53b_ab.log
-wait
 {
 for c in "16 2048 0 10 bf16" "32 4096 0 3 bf16" "32 4096 0 2 fp32"; do
   echo "## 16 threads: $c"; OMP_NUM_THREADS=16 PYTHONPATH=/tmp/s53_ph python3 $ROOT/bench/tools/s48/bwd_only.py $c
