@@ -1,5 +1,5 @@
 #!/bin/bash
-# AMX test machine: bash bench/tools/s53/s53c.sh (logs under $OUT). s53b.sh trimmed to the device
+# AMX test machine: bash bench/tools/s53/s53c.sh (logs under $OUT). Sized to the device
 # time left: amx-family builds only (base = this tree with bench/tools/s53/gradient.patch
 # reversed, new = this tree, taper = this tree with bench/tools/s48/bwd_split_taper.patch), the
 # in-process A/B at 16 threads, issue 11's backward_vs_torch at 16 threads from the new build (the
