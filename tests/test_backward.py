@@ -457,6 +457,7 @@ DETERMINISM_SHAPES = [
     dict(B=3, Hq=4, Hk=2, Nq=129, Nk=257),    # splits of several heads, GQA
     dict(B=2, Hq=64, Hk=32, Nq=33, Nk=200),   # 64 kv heads: no split, each item writes its dq
     dict(B=1, Hq=2, Hk=2, Nq=1, Nk=500),      # decode-like rows
+    dict(B=1, Hq=4, Hk=2, Nq=600, Nk=700),    # dq sums of 1200 rows a kv head: several row chunks each
 ]
 
 

@@ -1,7 +1,8 @@
 // The backward's driver: checks the BackwardParams contract, plans items (kernel.h BackwardItem),
-// runs them on the thread pool (pool.h) with per-thread scratch, then sums the dq partials of
-// split kv heads in a fixed order. Built with no -m flags; the family's BackwardLoop
-// (kernels/common/backward_loop.h, whose header explains the dQ choice) does the math.
+// runs them on the thread pool (pool.h) with per-thread scratch, and sums the dq partials of
+// split kv heads in a fixed order (chunks of rows queued behind the items: run_on_thread). Built
+// with no -m flags; the family's BackwardLoop (kernels/common/backward_loop.h, whose header
+// explains the dQ choice) does the math.
 //
 // Determinism: the items, each item's loop order and the partial sums' order depend on the
 // shapes only, never on the thread count or on which thread runs what, so dq, dk, dv are
@@ -9,12 +10,13 @@
 //
 // Every element of dq, dk, dv is written (fa2cpu/backward.py allocates them uninitialised): items
 // cover every key of every (sequence, kv head) with keys or queries, an unsplit item zeroes the
-// dq rows that see none of its keys, reduce_group writes every row of a split head. A call with
+// dq rows that see none of its keys, reduce_chunk writes every row of a split head. A call with
 // no query heads returns at once and writes nothing (backward.py gives it zeros).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -52,6 +54,11 @@ namespace {
 #endif
 constexpr int64_t kItemsPerCpu = FA2CPU_BWD_ITEMS_PER_CPU;
 constexpr int64_t kMaxSplits = 8;
+// dq rows a work item of the partials' sum takes (backward()'s chunks).
+#ifndef FA2CPU_BWD_DQ_CHUNK_ROWS
+#define FA2CPU_BWD_DQ_CHUNK_ROWS 256
+#endif
+constexpr int64_t kDqChunkRows = FA2CPU_BWD_DQ_CHUNK_ROWS;
 int64_t machine_cpus() {
     static const int64_t cpus = std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency()));
     return cpus;
@@ -89,11 +96,19 @@ struct DqGroup {
     size_t first;  // the splits are Plan::split_items[first, first + count)
     size_t count;
 };
+// Rows [r0, r1) of a group's dq (row x = gh * nq + i: query head gh of the group, position i),
+// summed by one work item once the group's splits are done.
+struct DqChunk {
+    int32_t group;
+    int64_t r0, r1;
+};
 
 struct Plan {
     std::vector<BackwardItem> items;   // longest first
+    std::vector<int32_t> item_group;   // items[i]'s DqGroup, -1 for an unsplit item
     std::vector<BackwardItem> split_items;
     std::vector<DqGroup> groups;
+    std::vector<DqChunk> chunks;       // in the order the groups' last splits are claimed
     int64_t part_floats = 0;
     int64_t max_keys = 0;  // keys of the longest item (sizes the per-thread scratch)
 };
@@ -120,6 +135,7 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     const int64_t want = std::min(kMaxSplits, (target_items() + p.batch * p.hk - 1) / (p.batch * p.hk));
     const int64_t cap = item_scratch_cap(p);
     std::vector<double> cost;
+    std::vector<int32_t> group_of;  // per item, before the sort
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t nq = seq_nq(p, b), nk = seq_nk(p, b);
         if (nq == 0 && nk == 0) continue;
@@ -147,6 +163,7 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
                 }
                 plan.max_keys = std::max(plan.max_keys, it.ke - it.kb);
                 plan.items.push_back(it);
+                group_of.push_back(splits > 1 && nq > 0 ? int32_t(plan.groups.size()) : -1);
                 // rows x keys is the tile work; the constant is the per-item overhead (packing).
                 cost.push_back(double(rows) * double(it.ke - it.kb + 64) + double(it.ke - it.kb));
             }
@@ -160,32 +177,46 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
     std::vector<BackwardItem> sorted;
     sorted.reserve(order.size());
-    for (size_t i : order) sorted.push_back(plan.items[i]);
+    std::vector<size_t> last_claim(plan.groups.size(), 0);  // a group's last split in the sorted order
+    for (size_t i : order) {
+        if (group_of[i] >= 0) last_claim[size_t(group_of[i])] = sorted.size();
+        sorted.push_back(plan.items[i]);
+        plan.item_group.push_back(group_of[i]);
+    }
     plan.items.swap(sorted);
+    // The dq sums: kDqChunkRows rows a work item, after every split item, groups in the order their
+    // last split is claimed (the one likely to finish first comes first).
+    std::vector<size_t> gorder(plan.groups.size());
+    for (size_t g = 0; g < gorder.size(); ++g) gorder[g] = g;
+    std::stable_sort(gorder.begin(), gorder.end(), [&](size_t a, size_t b) { return last_claim[a] < last_claim[b]; });
+    for (size_t g : gorder) {
+        const int64_t rows = G * seq_nq(p, plan.groups[g].b);
+        for (int64_t r = 0; r < rows; r += kDqChunkRows)
+            plan.chunks.push_back(DqChunk{int32_t(g), r, std::min(rows, r + kDqChunkRows)});
+    }
     return plan;
 }
 
-// dq of one split (sequence, kv head): per row, the partials of the splits whose rows hold it,
-// summed in split order from 0.
-void reduce_group(const BackwardParams& bp, const Plan& plan, const DqGroup& g, const float* part) {
+// dq rows [c.r0, c.r1) of one split (sequence, kv head): per row, the partials of the splits
+// whose rows hold it, summed in split order from 0.
+void reduce_chunk(const BackwardParams& bp, const Plan& plan, const DqChunk& c, const float* part) {
     const Params& p = bp.f;
+    const DqGroup& g = plan.groups[size_t(c.group)];
     const int64_t G = p.hq / p.hk, D = p.d, nq = seq_nq(p, g.b);
     const DType dt = DType(p.dtype);
     FA2CPU_CHECK(D <= kMaxHeadDim);
     float acc[kMaxHeadDim];
-    for (int64_t gh = 0; gh < G; ++gh) {
-        const int64_t h = g.kv_head * G + gh;
-        for (int64_t i = 0; i < nq; ++i) {
-            for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-            for (size_t s = 0; s < g.count; ++s) {
-                const BackwardItem& it = plan.split_items[g.first + s];
-                if (i < it.i0 || i >= it.i1) continue;
-                const float* row = part + it.part + (gh * (it.i1 - it.i0) + (i - it.i0)) * D;
-                for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
-            }
-            const int64_t at = q_row_offset(p, g.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
-            for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, acc[d], dt);
+    for (int64_t x = c.r0; x < c.r1; ++x) {
+        const int64_t gh = x / nq, i = x % nq, h = g.kv_head * G + gh;
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+        for (size_t s = 0; s < g.count; ++s) {
+            const BackwardItem& it = plan.split_items[g.first + s];
+            if (i < it.i0 || i >= it.i1) continue;
+            const float* row = part + it.part + (gh * (it.i1 - it.i0) + (i - it.i0)) * D;
+            for (int64_t d = 0; d < D; ++d) acc[d] += row[d];
         }
+        const int64_t at = q_row_offset(p, g.b, i, bp.dq_batch_stride, bp.dq_row_stride) + h * bp.dq_head_stride;
+        for (int64_t d = 0; d < D; ++d) store_scalar(bp.dq, at + d * bp.dq_dim_stride, acc[d], dt);
     }
 }
 
@@ -207,19 +238,33 @@ struct RunCtx {
     float* part;
     int64_t scratch_floats;
     std::atomic<int> failed{0};
+    std::unique_ptr<std::atomic<size_t>[]> splits_done;  // per DqGroup
 };
 
-void run_item_on_thread(int64_t i, void* c) {
+// Work item i of one parallel_for: the plan's items, then its dq chunks. The pool claims items
+// one at a time in order (pool.h), so every split item is claimed, and so running, before a chunk
+// is; a chunk waits for its group's splits (their partial rows published by the release
+// increment) instead of a second parallel_for after a barrier: the sums of the first groups fill
+// the idle end of the item phase.
+void run_on_thread(int64_t i, void* c) {
     RunCtx& x = *static_cast<RunCtx*>(c);
-    if (float* scratch = thread_scratch(x.scratch_floats))
-        x.K->run_item(*x.p, x.plan->items[size_t(i)], scratch, x.part);
-    else
-        x.failed.store(1, std::memory_order_relaxed);  // backward() returns 1: MemoryError
-}
-
-void reduce_on_thread(int64_t g, void* c) {
-    RunCtx& x = *static_cast<RunCtx*>(c);
-    reduce_group(*x.p, *x.plan, x.plan->groups[size_t(g)], x.part);
+    const size_t n_items = x.plan->items.size();
+    if (size_t(i) < n_items) {
+        if (float* scratch = thread_scratch(x.scratch_floats))
+            x.K->run_item(*x.p, x.plan->items[size_t(i)], scratch, x.part);
+        else
+            x.failed.store(1, std::memory_order_relaxed);  // backward() returns 1: MemoryError
+        const int32_t g = x.plan->item_group[size_t(i)];
+        if (g >= 0) x.splits_done[size_t(g)].fetch_add(1, std::memory_order_release);  // counted even when failed
+        return;
+    }
+    const DqChunk& ch = x.plan->chunks[size_t(i) - n_items];
+    const size_t want = x.plan->groups[size_t(ch.group)].count;
+    for (int spins = 0; x.splits_done[size_t(ch.group)].load(std::memory_order_acquire) != want; ++spins) {
+        if (spins < 4096) cpu_relax();
+        else std::this_thread::yield();  // more threads than cores: leave the core to the splits
+    }
+    if (!x.failed.load(std::memory_order_relaxed)) reduce_chunk(*x.p, *x.plan, ch, x.part);
 }
 
 // The calling thread's dq partials, kept for its next call up to FA2CPU_BWD_KEEP_DQ_MB (a
@@ -245,7 +290,8 @@ int backward(const BackwardParams& bp) {
     const Plan plan = make_plan(bp, K);
     if (plan.items.empty()) return 0;
     // dq partials of split kv heads (kernel.h BackwardItem::part), float32 row-major per item
-    // (O(N * D) floats per split), in the calling thread's buffer, kept for its next call.
+    // (O(N * D) floats per split), in the calling thread's buffer, kept for its next call; 64-byte
+    // aligned (alloc_large), as BackwardLoop::store_dq's streamed whole lines need.
     float* part = nullptr;
     if (plan.part_floats > 0) {
         part = tls_dq_partials.reserve(plan.part_floats);
@@ -257,8 +303,9 @@ int backward(const BackwardParams& bp) {
     ctx.plan = &plan;
     ctx.part = part;
     ctx.scratch_floats = K.scratch_floats(bp, plan.max_keys);
-    parallel_for(int64_t(plan.items.size()), threads, &run_item_on_thread, &ctx);
-    if (!ctx.failed.load()) parallel_for(int64_t(plan.groups.size()), threads, &reduce_on_thread, &ctx);
+    ctx.splits_done.reset(new std::atomic<size_t>[plan.groups.size()]);
+    for (size_t g = 0; g < plan.groups.size(); ++g) ctx.splits_done[g].store(0, std::memory_order_relaxed);
+    parallel_for(int64_t(plan.items.size() + plan.chunks.size()), threads, &run_on_thread, &ctx);
     tls_dq_partials.trim();
     return ctx.failed.load() ? 1 : 0;
 }

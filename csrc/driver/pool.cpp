@@ -17,13 +17,6 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-static inline void cpu_relax() { _mm_pause(); }
-#else
-static inline void cpu_relax() { std::this_thread::yield(); }
-#endif
-
 namespace fa2cpu {
 namespace {
 

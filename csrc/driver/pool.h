@@ -17,12 +17,26 @@
 //  - a helper that cannot be created (thread limit, address space) is simply not used.
 #pragma once
 #include <cstdint>
+#include <thread>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace fa2cpu {
 
 // Runs body(i, ctx) for every i in [0, n) on the calling thread plus up to `threads - 1` helpers.
-// body must not throw. Concurrent calls from several threads share the helpers.
+// body must not throw. Concurrent calls from several threads share the helpers. Every backend
+// claims items one at a time in index order, and a claimed item runs at once on the thread that
+// claimed it: an item may wait for items of lower index (backward.cpp's dq sums do).
 using ItemFn = void (*)(int64_t i, void* ctx);
+// One step of a spin-wait: the pause instruction (x86), else a yield.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+}
 void parallel_for(int64_t n, int threads, ItemFn body, void* ctx);
 
 // Helper threads currently alive in this process (for tests and show_config).

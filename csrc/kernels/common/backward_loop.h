@@ -18,7 +18,8 @@
 // driver gives a (sequence, kv head) one item (every key), that item writes dq itself; otherwise
 // the key axis is split into a number of items fixed by the shapes and the machine's CPU count
 // (never by the thread count; backward.cpp) and each writes its float32 dQ rows to a partial
-// buffer, which the driver sums in split order. Chosen over a second pass that owns dQ per query
+// buffer (streamed: store_dq), which the driver sums in split order, in row chunks queued behind
+// the items. Chosen over a second pass that owns dQ per query
 // tile: the second pass recomputes S, P and dP (3 of the 5 tile products again, 7 products
 // instead of 5, ~1.4x the FLOPs), while the partials cost one float32 copy of dq per split
 // (O(N*D)) and one streaming sum. Both orders are fixed, so results are bit-identical for any
@@ -755,6 +756,23 @@ struct BackwardLoop {
             float* out = it.part >= 0 ? dq_part + it.part + (g0 + r0) * D : buf;
             const float* src = dqT + panel(r0, Dq, 0);
             int64_t d0 = 0;
+#ifdef __AVX512F__
+            // Partial rows are written with non-temporal stores (whole 64-byte lines: the buffer
+            // is 64-byte aligned and D % 16 == 0 keeps every row so): a split item otherwise waits
+            // on the read-for-ownership of every line of a buffer that no cache holds (the
+            // partials of a call are O(splits * N * D)). Same bits; amx family, in process:
+            // 2-core Xeon with AMX, H=4 N=2048 (4 key splits) 1.02-1.04x at 1 and 2 threads;
+            // 16 threads (model 207) 0.99-1.10x over backward.cpp's dq chunks, 1.01-1.22x over the
+            // driver before them, in 9 of 10 runs (the 10th drifted; bench/RESULTS.md, session 54;
+            // session 48's try, before the chunks, read 0.79-1.14x there).
+            if (rn == 16 && it.part >= 0 && D % 16 == 0) {
+                alignas(64) float tb[256];
+                for (; d0 + 16 <= D; d0 += 16) {
+                    transpose16<V>(src + d0 * RB, RB, tb, 16);
+                    for (int r = 0; r < 16; ++r) _mm512_stream_ps(out + r * D + d0, _mm512_load_ps(tb + r * 16));
+                }
+            }
+#endif
             if (rn == 16)
                 for (; d0 + 16 <= D; d0 += 16) transpose16<V>(src + d0 * RB, RB, out + d0, D);
             for (int64_t d = d0; d < D; ++d)
@@ -766,6 +784,9 @@ struct BackwardLoop {
                 V::store_row(bp.dq, at, bp.dq_dim_stride, buf + r * D, D, dt);
             }
         }
+#ifdef __AVX512F__
+        if (it.part >= 0) _mm_sfence();  // the streamed rows before the item's release (backward.cpp)
+#endif
     }
     // Zero dq rows of the item's kv head that see none of its keys (it owns that head's dq).
     static void zero_dq_outside(const BackwardParams& bp, const BackwardItem& it) {
