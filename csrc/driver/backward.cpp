@@ -260,8 +260,8 @@ void run_on_thread(int64_t i, void* c) {
     }
     const DqChunk& ch = x.plan->chunks[size_t(i) - n_items];
     const size_t want = x.plan->groups[size_t(ch.group)].count;
-    for (int spins = 0; x.splits_done[size_t(ch.group)].load(std::memory_order_acquire) != want; ++spins) {
-        if (spins < 4096) cpu_relax();
+    for (int spins = 0; x.splits_done[size_t(ch.group)].load(std::memory_order_acquire) != want;) {
+        if (spins < 4096) cpu_relax(), ++spins;  // (the count stops there: a split may run for hours)
         else std::this_thread::yield();  // more threads than cores: leave the core to the splits
     }
     if (!x.failed.load(std::memory_order_relaxed)) reduce_chunk(*x.p, *x.plan, ch, x.part);
