@@ -15,17 +15,20 @@ echo "builds done at $(( $(date +%s) - T0 )) s" >> $OUT/s55c_builds.log
 cp -r /tmp/s55c_base /tmp/s55c_base0
 cd /tmp; M=$ROOT/bench/tools/s52/bwd_multi.py
 B=/tmp/s55c_base/fa2cpu; N=/tmp/s55c_new/fa2cpu; Z=/tmp/s55c_base0/fa2cpu
-for c in "16 16 2048 0 bf16 21" "16 16 2048 1 bf16 21" "16 16 2048 0 fp32 9" "16 8 2048 0 bf16 21" "16 32 4096 0 bf16 5"; do
-  [ $(( $(date +%s) - T0 )) -gt 420 ] && { echo "out of time"; break; }
-  PYTHONPATH=/tmp/s55c_base timeout 60 python3 $M $c $Z $B $N
-  PYTHONPATH=/tmp/s55c_base timeout 60 python3 $M $c $Z $N $B
-  PYTHONPATH=/tmp/s55c_base timeout 60 python3 $M $c $Z $B $N
-done 2>&1 | tee $OUT/s55c_fine_tail2_ab.log
+ab() {
+  for c in "$@"; do
+    PYTHONPATH=/tmp/s55c_base timeout 60 python3 $M $c $Z $B $N
+    PYTHONPATH=/tmp/s55c_base timeout 60 python3 $M $c $Z $N $B
+    PYTHONPATH=/tmp/s55c_base timeout 60 python3 $M $c $Z $B $N
+  done
+}
+ab "16 16 2048 0 bf16 21" "16 16 2048 0 fp32 9" 2>&1 | tee $OUT/s55c_fine_tail2_ab.log
 for b in base new; do
   echo "== $b"
   PYTHONPATH=/tmp/s55c_$b timeout 60 python3 $ROOT/bench/tools/s55/scaling.py 16 2048 0 bf16 9 16
-  PYTHONPATH=/tmp/s55c_$b timeout 60 python3 $ROOT/bench/tools/s55/scaling.py 16 2048 1 bf16 9 16
   PYTHONPATH=/tmp/s55c_$b timeout 60 python3 $ROOT/bench/tools/s55/scaling.py 16 2048 0 fp32 5 16
 done 2>&1 | tee $OUT/s55c_bwd_fwd16.log
+echo "at $(( $(date +%s) - T0 )) s" >> $OUT/s55c_bwd_fwd16.log
+ab "16 16 2048 1 bf16 21" "16 32 4096 0 bf16 5" "16 8 2048 0 bf16 21" 2>&1 | tee -a $OUT/s55c_fine_tail2_ab.log
 cd /tmp/s55c_new && PYTHONPATH=/tmp/s55c_new timeout 120 python3 $ROOT/bench/backward_vs_torch.py --threads 16 --heads 16 --n 2048 --dtypes fp32,bf16 --reps 5 2>&1 | tee $OUT/s55c_backward_vs_torch16.log
 echo "all done at $(( $(date +%s) - T0 )) s"
