@@ -1,14 +1,15 @@
 #!/bin/bash
 # AMX test machine (session 55, second call): bash bench/tools/s55/s55c.sh, logs under $OUT. The last
 # kv heads split twice as finely where the plan deals `want` splits per head (fine_tail2.patch; s55b's
-# fine_tail.patch did it for every plan and lost at H=32 N=4096, whose cap raises the splits to 3):
+# fine_tail.patch did it for every plan and lost at H=32 N=4096, whose cap raises the splits to 4;
+# run it on a clean tree: build_pair.sh ... apply builds the tree (base) and the tree + the patch (new)):
 # in process against HEAD at 16 threads, a sacrificial copy first and three orders; bwd / fwd of both
 # builds (scaling.py at 16 threads); issue 11's table from the new build.
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
 T0=$(date +%s)
 lscpu | grep -E "^Model:|^CPU\(s\)|L2|L3" > $OUT/s55c_machine.txt
-bash bench/tools/s47/build_pair.sh $ROOT/bench/tools/s55/fine_tail2.patch s55c > /dev/null 2>&1
+bash bench/tools/s47/build_pair.sh $ROOT/bench/tools/s55/fine_tail2.patch s55c apply > /dev/null 2>&1
 (cd /tmp/s55c_new && patch -p1 -R --dry-run < $ROOT/bench/tools/s55/fine_tail2.patch > /dev/null && echo "new has the patch") > $OUT/s55c_builds.log 2>&1
 tail -qn1 $OUT/build_*.log >> $OUT/s55c_builds.log; rm -f $OUT/build_*.log $OUT/patch.log
 echo "builds done at $(( $(date +%s) - T0 )) s" >> $OUT/s55c_builds.log
