@@ -54,6 +54,18 @@ namespace {
 #endif
 constexpr int64_t kItemsPerCpu = FA2CPU_BWD_ITEMS_PER_CPU;
 constexpr int64_t kMaxSplits = 8;
+// A fine schedule tail: on machines of at least FA2CPU_BWD_FINE_TAIL_CPUS CPUs, the last
+// ceil(CPUs / want) (sequence, kv head) pairs of a plan that deals each pair `want` splits are
+// split twice as finely, so the dynamic schedule ends with half-size items. At 16 threads (AMX
+// Xeon, model 207, H=16 N=2048) the threads' last items ended ~0.9 of an item apart (idle probe:
+// items busy 81 % of threads x wall, bf16 full), and this tail ran bf16 full 1.08-1.11x, fp32
+// full 1.09-1.13x, bf16 causal 0.97-1.04x in process (three orders against the same tree;
+// bench/RESULTS.md sessions 55 and 56). Plans whose scratch cap already raised the splits past
+// `want` (H=32 N=4096) are left alone: the tail there measured 0.91-0.97x. On 2 CPUs it cost bf16
+// with few heads 4-5 % (H=4 N=2048), hence the CPU floor (no machine between 2 and 16 measured).
+#ifndef FA2CPU_BWD_FINE_TAIL_CPUS
+#define FA2CPU_BWD_FINE_TAIL_CPUS 16
+#endif
 // dq rows a work item of the partials' sum takes (backward()'s chunks).
 #ifndef FA2CPU_BWD_DQ_CHUNK_ROWS
 #define FA2CPU_BWD_DQ_CHUNK_ROWS 256
@@ -134,6 +146,9 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     const int64_t G = p.hq / p.hk, tile = K.kv_tile;
     const int64_t want = std::min(kMaxSplits, (target_items() + p.batch * p.hk - 1) / (p.batch * p.hk));
     const int64_t cap = item_scratch_cap(p);
+    const int64_t pairs = p.batch * p.hk;
+    const int64_t n_fine = machine_cpus() >= FA2CPU_BWD_FINE_TAIL_CPUS && want > 1
+                               ? std::min(pairs, (machine_cpus() + want - 1) / want) : 0;
     std::vector<double> cost;
     std::vector<int32_t> group_of;  // per item, before the sort
     for (int64_t b = 0; b < p.batch; ++b) {
@@ -147,9 +162,11 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
             while (n < kMaxSplits && 4 * K.scratch_floats(bp, (tiles + n - 1) / n * tile) > cap) ++n;
             return n;
         };
-        const int64_t splits = nq == 0 ? std::max<int64_t>(1, tiles) : std::max<int64_t>(1, std::min(capped(), tiles));
+        const int64_t splits_all = nq == 0 ? std::max<int64_t>(1, tiles) : std::max<int64_t>(1, std::min(capped(), tiles));
         for (int64_t h = 0; h < p.hk; ++h) {
             const size_t first = plan.split_items.size();
+            const bool fine = nq > 0 && splits_all == want && b * p.hk + h >= pairs - n_fine;
+            const int64_t splits = fine ? std::min(std::min(2 * want, kMaxSplits), tiles) : splits_all;
             for (int64_t s = 0; s < splits; ++s) {
                 BackwardItem it{int32_t(b), int32_t(h), 0, 0, 0, 0, -1};
                 it.kb = std::min(nk, (tiles * s / splits) * tile);
