@@ -144,9 +144,9 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     const Params& p = bp.f;
     Plan plan;
     const int64_t G = p.hq / p.hk, tile = K.kv_tile;
-    const int64_t want = std::min(kMaxSplits, (target_items() + p.batch * p.hk - 1) / (p.batch * p.hk));
+    const int64_t pairs = p.batch * p.hk;  // (sequence, kv head) pairs
+    const int64_t want = std::min(kMaxSplits, (target_items() + pairs - 1) / pairs);
     const int64_t cap = item_scratch_cap(p);
-    const int64_t pairs = p.batch * p.hk;
     const int64_t n_fine = machine_cpus() >= FA2CPU_BWD_FINE_TAIL_CPUS && want > 1
                                ? std::min(pairs, (machine_cpus() + want - 1) / want) : 0;
     std::vector<double> cost;

@@ -26,7 +26,6 @@ int main(int argc, char** argv) {
         double f = 2.0 * 16 * 128 * D * reps;
         best[0] = std::min(best[0], (b - a) / f); best[1] = std::min(best[1], (c - b) / f); best[2] = std::min(best[2], (d - c) / (2.0 * BC * 128 * D * (reps / 8)));
     }
-    double tick_per_flop_peak;
-    { uint64_t a = __rdtsc(); double g = fa2cpu::peak(1, 0.3); (void)a; tick_per_flop_peak = 0; printf("probe %.1f GFLOP/s\n", g); }
+    printf("probe %.1f GFLOP/s\n", fa2cpu::peak(1, 0.3));
     printf("qk  %.2f flop/tick\npv  %.2f flop/tick\ntn  %.2f flop/tick\n", 1 / best[0], 1 / best[1], 1 / best[2]);
 }
