@@ -170,27 +170,8 @@ struct AmxProducts {
         for (int64_t d = 0; d < x.ldq; ++d)
             std::memset(x.kT + d * x.ldkt + x.keys, 0, size_t(x.ldkt - x.keys) * 2);
     }
-    // K^T [ldq][ldkt] from the K rows, 16 keys x 32 features at a time: a 16 x 16 transpose of
-    // feature pairs, then each pair split into its two features' rows; the last keys % 16 keys
-    // one by one. (Written element by element per key, K^T cost ~1.4 % of a 2-thread backward.)
-    static void finish_keys(Bufs& x) {
-        const int64_t ld2 = x.ldq / 2;
-        const uint32_t* k32 = reinterpret_cast<const uint32_t*>(x.kr);
-        int64_t c0 = 0;
-        for (; c0 + 16 <= x.keys; c0 += 16)
-            for (int64_t t0 = 0; t0 < ld2; t0 += 16) {
-                __m512i r[16];
-                for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k32 + (c0 + i) * ld2 + t0);
-                transpose16x16_epi32(r);  // r[i]: the feature pair t0 + i of keys c0 .. c0 + 15
-                for (int i = 0; i < 16; ++i) {
-                    uint16_t* even = x.kT + 2 * (t0 + i) * x.ldkt + c0;
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even), _mm512_cvtepi32_epi16(r[i]));
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(even + x.ldkt), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r[i], 16)));
-                }
-            }
-        for (int64_t c = c0; c < x.keys; ++c)
-            for (int64_t d = 0; d < x.ldq; ++d) x.kT[d * x.ldkt + c] = x.kr[c * x.ldq + d];
-    }
+    // K^T [ldq][ldkt] from the K rows (vec_avx512.h).
+    static void finish_keys(Bufs& x) { transpose_bf16_rows(x.kr, x.ldq, x.keys, x.ldq, x.kT, x.ldkt); }
     // Row r of the group from contiguous bf16 rows as they are (the float32 round trip of
     // pack_row gives the same operands: tdpbf16ps reads bf16 denormals as zero either way), and
     // its D_i = sum_j dO[j] O[j] with BackwardLoop::row_dot's arithmetic on the same float32

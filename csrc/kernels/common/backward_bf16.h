@@ -8,9 +8,9 @@
 //   product            lanes     reduction  a (vector operand)             b (broadcast pair)
 //   S^T  = K Q^T       rows      D          qp  [D2][GR]  Q pairs           kb  [nkeys][D2] K rows
 //   dP^T = V dO^T      rows      Dv         dop [Dv2][GR] dO pairs          vb  [nkeys][Dv2] V rows
-//   dV  += P^T dO      features  rows       dorp [GR/2][ldo] dO row pairs   pT  [BC][RB] bf16 P^T
-//   dK  += dS^T Q      features  rows       qrp  [GR/2][ldq] Q row pairs    dsT [BC][RB] bf16 dS^T
-//   dQ^T += K^T dS^T   rows      keys       dsp [BC/2][RB] dS pairs         kT  [D][ldkt] K^T rows
+//   dV  += P^T dO      features  rows       dorp [GR/2][lop] dO row pairs   pT  [BC][kLP] bf16 P^T
+//   dK  += dS^T Q      features  rows       qrp  [GR/2][lqp] Q row pairs    dsT [BC][kLP] bf16 dS^T
+//   dQ^T += K^T dS^T   rows      keys       dsp [BC/2][RB] dS pairs per block        kT  [D][ldkt] K^T rows
 //
 // (D2 = ceil(D/2); odd D, Dv and padding rows are zero halves.) P and dS are rounded to bf16 (round
 // to nearest even) only as operands of dV, dK and dQ, as FlashAttention-2 does for bf16; S, dP, P,
@@ -108,21 +108,36 @@ struct Bf16Products {
     static constexpr int64_t BC = V512::BC;
     static constexpr int64_t kGroupRows = V512::MAX_ROWS;
     static constexpr int64_t kRowAlign = W, kFeatureAlign = W, kKeyPad = 0;  // backward_loop.h F32Products
-    static constexpr int kUpdateBlocks = 1;  // one row block per update (backward_loop.h F32Products)
+    // Row blocks per dV / dK update (backward_loop.h F32Products), as the amx policy does: the
+    // dkall / dvall rows of a 128-key tile (64 KB each at D = 128, from L2 or beyond) are loaded
+    // and stored once per update, by micro-kernels that ran ~15 % of their time in that load on
+    // the Zen 4 (perf, 1 thread). Two blocks (the whole group) halve it; same bits, the row pairs
+    // being reduced in the same order. P^T and dS^T hold the run's rows side by side (row r of
+    // the run in column r, rows kLP apart), the dS pairs one [BC/2][RB] panel per block.
+#ifndef FA2CPU_BWD_BF16_UPDATE_BLOCKS
+#define FA2CPU_BWD_BF16_UPDATE_BLOCKS 2
+#endif
+    static constexpr int kUpdateBlocks = FA2CPU_BWD_BF16_UPDATE_BLOCKS;
+    static constexpr int64_t kLP = kUpdateBlocks * RB, kSlot = BC * RB, kDsPanel = (BC + 1) / 2 * RB;
+    static_assert(kUpdateBlocks * RB <= kGroupRows, "a run lies within its group");
     static int64_t dq_features(int64_t D) { return D; }
     static_assert(RB % 2 == 0 && kGroupRows % 2 == 0, "row pairs never straddle a row block");
 
     struct Bufs {
         uint32_t *qp, *dop, *qrp, *dorp, *dsp;  // pair layouts of the table above
         uint16_t *kb, *vb, *kT, *pT, *dsT;
-        int64_t keys, ldq, ldo, d2, dv2, ldkt;  // ldq / ldo: D / Dv rounded up to 16 (dkall / dvall too)
+        int64_t keys, d, ldq, ldo, d2, dv2, ldkt;  // ldq / ldo: D / Dv rounded up to 16 (dkall / dvall too)
+        int64_t lqp, lop;  // row pairs of qrp / dorp: ldq / ldo, odd_lines (backward_loop.h)
     };
     static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
         Bufs x;
+        x.d = p.d;
         x.ldq = round_up(p.d, W);
         x.ldo = round_up(p.dv, W);
         x.d2 = (p.d + 1) / 2;
         x.dv2 = (p.dv + 1) / 2;
+        x.lqp = odd_lines(x.ldq);
+        x.lop = odd_lines(x.ldo);
         x.keys = keys;
         x.ldkt = round_up(keys + 1, 2);  // + 1: a masked half pair may read one key past the item
         Carver c{base};
@@ -130,32 +145,43 @@ struct Bf16Products {
         auto halves = [&](int64_t n) { return reinterpret_cast<uint16_t*>(c.take((n + 1) / 2)); };
         x.qp = pairs(x.d2 * kGroupRows);
         x.dop = pairs(x.dv2 * kGroupRows);
-        x.qrp = pairs(kGroupRows / 2 * x.ldq);
-        x.dorp = pairs(kGroupRows / 2 * x.ldo);
-        x.dsp = pairs((BC + 1) / 2 * RB);
+        x.qrp = pairs(kGroupRows / 2 * x.lqp);
+        x.dorp = pairs(kGroupRows / 2 * x.lop);
+        x.dsp = pairs(kUpdateBlocks * kDsPanel);
         x.kb = halves(keys * 2 * x.d2);
         x.vb = halves(keys * 2 * x.dv2);
         x.kT = halves(p.d * x.ldkt);
-        x.pT = halves(BC * RB);
-        x.dsT = halves(BC * RB);
+        x.pT = halves(BC * kLP);
+        x.dsT = halves(BC * kLP);
         *floats = c.used;
         return x;
     }
     static int64_t panel(int64_t r, int64_t features, int64_t f) { return (r / RB) * features * RB + f * RB + r % RB; }
 
+    // Key c's K and V rows as bf16 (an odd D's last half 0): pack_key from float32 rows (rounded
+    // by V512::store_row, the bits of f32_to_bf16; exact here, the inputs being bf16), pack_key_raw
+    // from contiguous bf16 rows as they are; finish_keys then builds K^T from the K rows.
     static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
-        // Rows rounded by V512::store_row (vectorised, the bits of f32_to_bf16; exact here, the
-        // inputs being bf16), an odd D's last half 0; then K^T's column c.
         uint16_t* kb = x.kb + c * 2 * x.d2;
         uint16_t* vb = x.vb + c * 2 * x.dv2;
         V512::store_row(kb, 0, 1, k, D, DType::bf16);
         V512::store_row(vb, 0, 1, v, Dv, DType::bf16);
         if (D % 2) kb[D] = 0;
         if (Dv % 2) vb[Dv] = 0;
-        for (int64_t d = 0; d < D; ++d) x.kT[d * x.ldkt + c] = kb[d];
-        if (c == 0)  // K^T's padding columns (keys, ldkt): zero
-            for (int64_t d = 0; d < D; ++d)
-                for (int64_t e = x.keys; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;
+    }
+    static void pack_key_raw(Bufs& x, int64_t c, const uint16_t* k, const uint16_t* v, int64_t D, int64_t Dv) {
+        uint16_t* kb = x.kb + c * 2 * x.d2;
+        uint16_t* vb = x.vb + c * 2 * x.dv2;
+        std::memcpy(kb, k, size_t(D) * 2);
+        std::memcpy(vb, v, size_t(Dv) * 2);
+        if (D % 2) kb[D] = 0;
+        if (Dv % 2) vb[Dv] = 0;
+    }
+    // K^T [D][ldkt] (vec_avx512.h), its padding columns [keys, ldkt) zero.
+    static void finish_keys(Bufs& x) {
+        transpose_bf16_rows(x.kb, 2 * x.d2, x.keys, x.d, x.kT, x.ldkt);
+        for (int64_t d = 0; d < x.d; ++d)
+            for (int64_t e = x.keys; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;
     }
     // Row r of the group in both pair layouts (q / dO null: a padding row of zeros).
     static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
@@ -163,8 +189,8 @@ struct Bf16Products {
         else G::zero_q_row(reinterpret_cast<float*>(x.qp), kGroupRows, r, D);
         if (dO) G::pack_q_row(reinterpret_cast<float*>(x.dop), kGroupRows, r, dO, Dv, 1.f);
         else G::zero_q_row(reinterpret_cast<float*>(x.dop), kGroupRows, r, Dv);
-        pack_row_pairs(x.qrp, x.ldq, r, q, D);
-        pack_row_pairs(x.dorp, x.ldo, r, dO, Dv);
+        pack_row_pairs(x.qrp, x.lqp, r, q, D);
+        pack_row_pairs(x.dorp, x.lop, r, dO, Dv);
     }
     // Half (r & 1) of pair (r / 2, j) of a [GR/2][ld] row-pair panel: row r's feature j.
     // (The row rounded by V512::store_row first: vectorised, the bits of f32_to_bf16.)
@@ -184,26 +210,34 @@ struct Bf16Products {
         PairGemm::run<false>(nv, n, x.qp + r0, kGroupRows, x.kb + ck * 2 * x.d2, 2 * x.d2, x.d2, false, s, RB);
         PairGemm::run<false>(nv, n, x.dop + r0, kGroupRows, x.vb + ck * 2 * x.dv2, 2 * x.dv2, x.dv2, false, dp, RB);
     }
+    // The updates of `rows` rows from r0: row blocks of RB rows (P in s, dS in dp, one block per
+    // kSlot floats), all full but the last, which has nv vectors.
     static void updates(Bufs& x, int nv, int64_t r0, int64_t rows, int64_t ck, int64_t n, int64_t D, const float* s,
                         const float* dp, float* dkall, float* dvall, float* dqT) {
         // P^T, dS^T as bf16 rows of keys (rows along), dS as pairs of keys (rows in lanes).
-        for (int64_t c = 0; c < n; ++c)
-            for (int v = 0; v < nv; ++v) {
-                const int64_t at = c * RB + v * W;
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + at), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + at)));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + at), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(dp + at)));
-            }
-        const int64_t n2 = (n + 1) / 2;
-        for (int64_t c2 = 0; c2 < n2; ++c2)
-            for (int v = 0; v < nv; ++v) {
-                const __m512 e0 = _mm512_loadu_ps(dp + 2 * c2 * RB + v * W);
-                const __m512 e1 = 2 * c2 + 1 < n ? _mm512_loadu_ps(dp + (2 * c2 + 1) * RB + v * W) : _mm512_setzero_ps();
-                G::store_p_pair(reinterpret_cast<float*>(x.dsp), c2, v, e0, e1);
-            }
+        const int64_t blocks = (rows + RB - 1) / RB, n2 = (n + 1) / 2;
+        for (int64_t bi = 0; bi < blocks; ++bi) {
+            const int nvb = bi + 1 < blocks ? G::RV : nv;
+            const float *sb = s + bi * kSlot, *dpb = dp + bi * kSlot;
+            for (int64_t c = 0; c < n; ++c)
+                for (int v = 0; v < nvb; ++v) {
+                    const int64_t at = c * RB + v * W, to = c * kLP + bi * RB + v * W;
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.pT + to), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sb + at)));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x.dsT + to), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(dpb + at)));
+                }
+            for (int64_t c2 = 0; c2 < n2; ++c2)
+                for (int v = 0; v < nvb; ++v) {
+                    const __m512 e0 = _mm512_loadu_ps(dpb + 2 * c2 * RB + v * W);
+                    const __m512 e1 = 2 * c2 + 1 < n ? _mm512_loadu_ps(dpb + (2 * c2 + 1) * RB + v * W) : _mm512_setzero_ps();
+                    G::store_p_pair(reinterpret_cast<float*>(x.dsp + bi * kDsPanel), c2, v, e0, e1);
+                }
+        }
         const int64_t rows2 = (rows + 1) / 2, pr0 = r0 / 2;  // padding rows: P = dS = 0, zero operands
-        PairGemm::run_features(x.ldo / W, n, x.dorp + pr0 * x.ldo, x.ldo, x.pT, RB, rows2, dvall + ck * x.ldo, x.ldo);
-        PairGemm::run_features(x.ldq / W, n, x.qrp + pr0 * x.ldq, x.ldq, x.dsT, RB, rows2, dkall + ck * x.ldq, x.ldq);
-        PairGemm::run<true>(nv, D, x.dsp, RB, x.kT + ck, x.ldkt, n2, n % 2 != 0, dqT + r0 * D, RB);
+        PairGemm::run_features(x.ldo / W, n, x.dorp + pr0 * x.lop, x.lop, x.pT, kLP, rows2, dvall + ck * x.ldo, x.ldo);
+        PairGemm::run_features(x.ldq / W, n, x.qrp + pr0 * x.lqp, x.lqp, x.dsT, kLP, rows2, dkall + ck * x.ldq, x.ldq);
+        for (int64_t bi = 0; bi < blocks; ++bi)
+            PairGemm::run<true>(bi + 1 < blocks ? G::RV : nv, D, x.dsp + bi * kDsPanel, RB, x.kT + ck, x.ldkt, n2, n % 2 != 0,
+                                dqT + (r0 + bi * RB) * D, RB);
     }
 };
 

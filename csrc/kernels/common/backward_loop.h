@@ -63,6 +63,14 @@ namespace {
 
 // transpose16<V> (policy.h): the panel <-> row copies below.
 
+// Row stride (in 4-byte elements) of an operand panel whose rows are re-read across many rows:
+// rows of a whole even number of 64-byte lines get one line more. Rows 512 B apart (D = 128) fall
+// into 8 of L1's 64 sets, so the 128 rows of dO / Q that dV / dK re-read per key chunk (and the K
+// rows of dQ) could not stay in L1; with an odd number of lines consecutive rows take every set.
+// Same bits; fp32 backward 1.03-1.04x (amx and avx2 families, 1 and 2 threads, 2-core Xeon with
+// AMX; bench/RESULTS.md, session 39).
+inline int64_t odd_lines(int64_t ld) { return ld % 16 == 0 && (ld / 16) % 2 == 0 ? ld + 16 : ld; }
+
 // Scratch handed out in 64-byte steps from base (with base == nullptr: only counted, in `used`).
 struct Carver {
     float* base;
@@ -117,12 +125,6 @@ struct F32Products {
         int64_t ldq, ldo;  // D / Dv rounded up to W: dK / dV rows (the loop's dkall / dvall)
         int64_t lq, lo;    // rows of kall / qr and vall / dor: ldq / ldo, odd_lines
     };
-    // Operand rows of a whole even number of 64-byte lines get one line more: rows 512 B apart
-    // (D = 128) fall into 8 of L1's 64 sets, so the 128 rows of dO / Q that dV / dK re-read per key
-    // chunk (and the K rows of dQ) could not stay in L1; with an odd number of lines consecutive
-    // rows take every set. Same bits; fp32 backward 1.03-1.04x (amx and avx2 families, 1 and 2
-    // threads, 2-core Xeon with AMX; bench/RESULTS.md, session 39).
-    static int64_t odd_lines(int64_t ld) { return ld % 16 == 0 && (ld / 16) % 2 == 0 ? ld + 16 : ld; }
     static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
         Bufs x;
         x.ldq = round_up(p.d, W);
@@ -277,13 +279,22 @@ struct BackwardLoop {
     template <class X>
     struct HasPairGradients<X, std::void_t<decltype(&X::pair_store)>> : std::true_type {};
     static constexpr bool kPairGradients = HasPairGradients<P>::value;
-    // Policies with pack_row_raw / pack_key_raw / finish_keys (backward_amx.h) take contiguous
-    // bf16 rows as they are (their operands are bf16), not through float32 rows.
+    // Policies with pack_row_raw (backward_amx.h) or pack_key_raw (that and backward_bf16.h) take
+    // contiguous bf16 rows as they are (their operands are bf16), not through float32 rows; one
+    // with finish_keys completes its key operands after the item's keys are packed.
     template <class X, class = void>
-    struct HasRawBf16 : std::false_type {};
+    struct HasRawRows : std::false_type {};
     template <class X>
-    struct HasRawBf16<X, std::void_t<decltype(&X::pack_row_raw)>> : std::true_type {};
-    static constexpr bool kRawBf16 = HasRawBf16<P>::value;
+    struct HasRawRows<X, std::void_t<decltype(&X::pack_row_raw)>> : std::true_type {};
+    template <class X, class = void>
+    struct HasRawKeys : std::false_type {};
+    template <class X>
+    struct HasRawKeys<X, std::void_t<decltype(&X::pack_key_raw)>> : std::true_type {};
+    template <class X, class = void>
+    struct HasFinishKeys : std::false_type {};
+    template <class X>
+    struct HasFinishKeys<X, std::void_t<decltype(&X::finish_keys)>> : std::true_type {};
+    static constexpr bool kRawRows = HasRawRows<P>::value, kRawKeys = HasRawKeys<P>::value;
     static_assert(RB % W == 0 && kGroupRows % RB == 0, "row groups are whole row blocks of whole vectors");
     static_assert(P::kRowAlign % W == 0 && RB % P::kRowAlign == 0, "padded rows stay whole vectors of a block");
 
@@ -347,16 +358,15 @@ struct BackwardLoop {
         const DType dt = DType(p.dtype);
 
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
-        const bool raw = kRawBf16 && dt == DType::bf16;
-        const bool raw_keys = raw && p.k_dim_stride == 1 && p.v_dim_stride == 1;
-        const bool raw_rows = raw && p.q_dim_stride == 1 && bp.dout_dim_stride == 1 && p.out_dim_stride == 1;
+        const bool raw_keys = kRawKeys && dt == DType::bf16 && p.k_dim_stride == 1 && p.v_dim_stride == 1;
+        const bool raw_rows = kRawRows && dt == DType::bf16 && p.q_dim_stride == 1 && bp.dout_dim_stride == 1 && p.out_dim_stride == 1;
         auto bf16_at = [](const void* base, int64_t off) { return static_cast<const uint16_t*>(base) + off; };
         Careful cf(bp, it);
         for (int64_t c = 0; c < nkeys; ++c) {
             float krow[kMaxHeadDim], vrow[kMaxHeadDim];
             const void* kp = elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt);
             const bool bad = cf.hides && row_nonfinite(kp, D, p.k_dim_stride, dt);
-            if constexpr (kRawBf16) {
+            if constexpr (kRawKeys) {
                 if (raw_keys && !bad) {
                     P::pack_key_raw(ops, c, bf16_at(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head),
                                     bf16_at(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head), D, Dv);
@@ -369,7 +379,7 @@ struct BackwardLoop {
                         Dv, p.v_dim_stride, dt);
             P::pack_key(ops, c, krow, vrow, D, Dv);
         }
-        if constexpr (kRawBf16) P::finish_keys(ops);
+        if constexpr (HasFinishKeys<P>::value) P::finish_keys(ops);
         for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldq; ++x) dkall[x] = 0.f;
         for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldo; ++x) dvall[x] = 0.f;
         if (it.part < 0) zero_dq_outside(bp, it);
@@ -396,7 +406,7 @@ struct BackwardLoop {
                 // (only under causal / a window can a non-finite q / dO element reach a pair that does not see it)
                 const bool bad = cf.hides && (row_nonfinite(elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt) ||
                                               row_nonfinite(elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt));
-                if constexpr (kRawBf16) {
+                if constexpr (kRawRows) {
                     if (raw_rows && !bad) {
                         delta[r] = P::pack_row_raw(ops, r, bf16_at(p.q, q_at), bf16_at(bp.dout, do_at), bf16_at(p.out, o_at), D, Dv);
                         packed = true;
