@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include "amx_tiles.h"
+#include "backward_bf16.h"
 #include "backward_loop.h"
 #include "gemm_bf16.h"
 #include "vec_avx512.h"
@@ -154,13 +155,13 @@ struct AmxProducts {
     static void pack_key(Bufs& x, int64_t c, const float* k, const float* v, int64_t D, int64_t Dv) {
         if (c == 0) pad_keys(x);
         // k, v hold bf16 values (this policy runs bf16 inputs only): the conversions are exact.
-        to_bf16(x.kr + c * x.ldq, x.ldq, k, D);
-        to_bf16(x.vr + c * x.ldo, x.ldo, v, Dv);
+        Bf16RowStage::to_bf16(x.kr + c * x.ldq, x.ldq, k, D);
+        Bf16RowStage::to_bf16(x.vr + c * x.ldo, x.ldo, v, Dv);
     }
     static void pack_key_raw(Bufs& x, int64_t c, const uint16_t* k, const uint16_t* v, int64_t D, int64_t Dv) {
         if (c == 0) pad_keys(x);
-        copy_bf16(x.kr + c * x.ldq, x.ldq, k, D);
-        copy_bf16(x.vr + c * x.ldo, x.ldo, v, Dv);
+        Bf16RowStage::copy_bf16(x.kr + c * x.ldq, x.ldq, k, D);
+        Bf16RowStage::copy_bf16(x.vr + c * x.ldo, x.ldo, v, Dv);
     }
     // The padding: K / V rows past the keys, K^T columns past them (its rows past D come from
     // the K rows' zero features).
@@ -178,68 +179,19 @@ struct AmxProducts {
     // values (same bits).
     static float pack_row_raw(Bufs& x, int64_t r, const uint16_t* q, const uint16_t* dO, const uint16_t* o, int64_t D,
                               int64_t Dv) {
-        copy_bf16(x.qs + r * x.ldq, x.ldq, q, D);
-        copy_bf16(x.dos + r * x.ldo, x.ldo, dO, Dv);
-        auto widen = [](const uint16_t* h) {
-            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
-        };
-        __m512 acc = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= Dv; j += 16) acc = _mm512_fmadd_ps(widen(dO + j), widen(o + j), acc);
-        alignas(64) float lanes[16];
-        _mm512_store_ps(lanes, acc);
-        float sum = 0.f;
-        for (int l = 0; l < 16; ++l) sum += lanes[l];
-        for (; j < Dv; ++j) sum += bf16_to_f32(dO[j]) * bf16_to_f32(o[j]);
-        return sum;
-    }
-    // n bf16 values, then zeros to ld (a multiple of 32).
-    static void copy_bf16(uint16_t* dst, int64_t ld, const uint16_t* src, int64_t n) {
-        for (int64_t j = 0; j < ld; j += 32) {
-            const int64_t left = n - j;
-            const __mmask32 m = left >= 32 ? ~__mmask32(0) : left <= 0 ? __mmask32(0) : (__mmask32(1) << left) - 1;
-            _mm512_storeu_si512(dst + j, _mm512_maskz_loadu_epi16(m, src + j));
-        }
+        Bf16RowStage::copy_bf16(x.qs + r * x.ldq, x.ldq, q, D);
+        Bf16RowStage::copy_bf16(x.dos + r * x.ldo, x.ldo, dO, Dv);
+        return Bf16RowStage::row_dot(dO, o, Dv);
     }
     // Row r of the group into the bf16 staging rows (q / dO null: a padding row of zeros).
     static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
-        to_bf16(x.qs + r * x.ldq, x.ldq, q, D);
-        to_bf16(x.dos + r * x.ldo, x.ldo, dO, Dv);
+        Bf16RowStage::to_bf16(x.qs + r * x.ldq, x.ldq, q, D);
+        Bf16RowStage::to_bf16(x.dos + r * x.ldo, x.ldo, dO, Dv);
     }
-    static void to_bf16(uint16_t* dst, int64_t ld, const float* row, int64_t n) {
-        int64_t j = 0;
-        if (row) {
-            for (; j < n; j += 16) {
-                const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-                const __m512 f = _mm512_maskz_loadu_ps(m, row + j);
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(f));
-            }
-        }
-        for (; j < ld; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm256_setzero_si256());
-    }
-    // The M staged rows (M a multiple of 32) into the pair layouts.
+    // The M staged rows (M a multiple of 32) into the pair layouts (backward_bf16.h).
     static void finish_rows(Bufs& x, int64_t M, int64_t, int64_t) {
-        to_pairs(x.qs, x.ldq, M, x.qp, x.qrp);
-        to_pairs(x.dos, x.ldo, M, x.dop, x.dorp);
-    }
-    // rows [M][ld] bf16 -> fp [ld/2][GR] feature pairs (row i's uint32 pairs are column i: 16 x 16
-    // transposes) and rp [M/2][ld] row pairs (rows 2p, 2p+1 interleaved per feature).
-    static void to_pairs(const uint16_t* rows, int64_t ld, int64_t M, uint32_t* fp, uint32_t* rp) {
-        const uint32_t* r32 = reinterpret_cast<const uint32_t*>(rows);
-        const int64_t ld2 = ld / 2;
-        for (int64_t r0 = 0; r0 < M; r0 += 16)
-            for (int64_t t0 = 0; t0 < ld2; t0 += 16) {
-                __m512i v[16];
-                for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(r32 + (r0 + i) * ld2 + t0);
-                transpose16x16_epi32(v);
-                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(fp + (t0 + i) * kGroupRows + r0, v[i]);
-            }
-        for (int64_t p = 0; p < M / 2; ++p)
-            for (int64_t j = 0; j < ld; j += 16) {
-                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * p * ld + j)));
-                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * p + 1) * ld + j)));
-                _mm512_storeu_si512(rp + p * ld + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            }
+        Bf16RowStage::to_pairs<kGroupRows>(x.qs, x.ldq, M, x.qp, x.qrp, x.ldq);
+        Bf16RowStage::to_pairs<kGroupRows>(x.dos, x.ldo, M, x.dop, x.dorp, x.ldo);
     }
 
     static void scores(Bufs& x, int nv, int64_t r0, int64_t ck, int64_t n, int64_t, int64_t, float* s, float* dp) {

@@ -29,6 +29,69 @@
 namespace fa2cpu {
 namespace {
 
+// A row group's Q / dO rows staged as bf16 and turned into the pair layouts of the bf16 products
+// (Bf16Products below, AmxProducts in backward_amx.h): rows [M][ld] (ld a multiple of 32) ->
+// fp [ld/2][GR] pairs along features (row i's uint32 pairs are column i: 16 x 16 transposes) and
+// rp [M/2][ldr] row pairs (rows 2p, 2p+1 interleaved per feature; ldr >= ld). Written row by row
+// (a scatter of 4-byte pairs per row), the avx512bf16 family's packing cost ~2 % of its backward.
+struct Bf16RowStage {
+    // n bf16 values, then zeros to ld (a multiple of 32).
+    static void copy_bf16(uint16_t* dst, int64_t ld, const uint16_t* src, int64_t n) {
+        for (int64_t j = 0; j < ld; j += 32) {
+            const int64_t left = n - j;
+            const __mmask32 m = left >= 32 ? ~__mmask32(0) : left <= 0 ? __mmask32(0) : (__mmask32(1) << left) - 1;
+            _mm512_storeu_si512(dst + j, _mm512_maskz_loadu_epi16(m, src + j));
+        }
+    }
+    // n float32 values (bf16 values: exact) as bf16, then zeros to ld (a multiple of 16); row null: all zeros.
+    static void to_bf16(uint16_t* dst, int64_t ld, const float* row, int64_t n) {
+        int64_t j = 0;
+        if (row) {
+            for (; j < n; j += 16) {
+                const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+                const __m512 f = _mm512_maskz_loadu_ps(m, row + j);
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), (__m256i)_mm512_cvtneps_pbh(f));
+            }
+        }
+        for (; j < ld; j += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm256_setzero_si256());
+    }
+    // D_i = sum_j dO[j] O[j] of bf16 rows with BackwardLoop::row_dot's arithmetic on the same
+    // float32 values (same bits as the float32 route).
+    static float row_dot(const uint16_t* dO, const uint16_t* o, int64_t Dv) {
+        auto widen = [](const uint16_t* h) {
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
+        };
+        __m512 acc = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= Dv; j += 16) acc = _mm512_fmadd_ps(widen(dO + j), widen(o + j), acc);
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, acc);
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += lanes[l];
+        for (; j < Dv; ++j) sum += bf16_to_f32(dO[j]) * bf16_to_f32(o[j]);
+        return sum;
+    }
+    // M (a multiple of 16) staged rows into the pair layouts.
+    template <int64_t GR>
+    static void to_pairs(const uint16_t* rows, int64_t ld, int64_t M, uint32_t* fp, uint32_t* rp, int64_t ldr) {
+        const uint32_t* r32 = reinterpret_cast<const uint32_t*>(rows);
+        const int64_t ld2 = ld / 2;
+        for (int64_t r0 = 0; r0 < M; r0 += 16)
+            for (int64_t t0 = 0; t0 < ld2; t0 += 16) {
+                __m512i v[16];
+                for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(r32 + (r0 + i) * ld2 + t0);
+                transpose16x16_epi32(v);
+                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(fp + (t0 + i) * GR + r0, v[i]);
+            }
+        for (int64_t p = 0; p < M / 2; ++p)
+            for (int64_t j = 0; j < ld; j += 16) {
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + 2 * p * ld + j)));
+                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + (2 * p + 1) * ld + j)));
+                _mm512_storeu_si512(rp + p * ldr + j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+    }
+};
+
 // out[j*ldo + v*16 + lane] (+)= sum_{t < T} a[t*lda + v*16 + lane] . b[j*ldb + 2t .. 2t+1],
 // j < nj, v < nv (<= 6): a holds pairs in lanes, b pairs broadcast. Register blocking NV x NJ with
 // NV*NJ <= 24 accumulators (6 x 4 like the forward's micro-tiles, 4 x 6 for the feature-lane
@@ -125,9 +188,10 @@ struct Bf16Products {
 
     struct Bufs {
         uint32_t *qp, *dop, *qrp, *dorp, *dsp;  // pair layouts of the table above
-        uint16_t *kb, *vb, *kT, *pT, *dsT;
+        uint16_t *kb, *vb, *kT, *pT, *dsT, *qs, *dos;
         int64_t keys, d, ldq, ldo, d2, dv2, ldkt;  // ldq / ldo: D / Dv rounded up to 16 (dkall / dvall too)
-        int64_t lqp, lop;  // row pairs of qrp / dorp: ldq / ldo, odd_lines (backward_loop.h)
+        int64_t lsq, lso;  // staging rows qs [GR][lsq], dos [GR][lso]: D / Dv rounded up to 32
+        int64_t lqp, lop;  // row pairs of qrp / dorp: lsq / lso, odd_lines (backward_loop.h)
     };
     static Bufs carve(const Params& p, int64_t keys, float* base, int64_t* floats) {
         Bufs x;
@@ -136,15 +200,17 @@ struct Bf16Products {
         x.ldo = round_up(p.dv, W);
         x.d2 = (p.d + 1) / 2;
         x.dv2 = (p.dv + 1) / 2;
-        x.lqp = odd_lines(x.ldq);
-        x.lop = odd_lines(x.ldo);
+        x.lsq = round_up(p.d, 32);
+        x.lso = round_up(p.dv, 32);
+        x.lqp = odd_lines(x.lsq);
+        x.lop = odd_lines(x.lso);
         x.keys = keys;
         x.ldkt = round_up(keys + 1, 2);  // + 1: a masked half pair may read one key past the item
         Carver c{base};
         auto pairs = [&](int64_t n) { return reinterpret_cast<uint32_t*>(c.take(n)); };
         auto halves = [&](int64_t n) { return reinterpret_cast<uint16_t*>(c.take((n + 1) / 2)); };
-        x.qp = pairs(x.d2 * kGroupRows);
-        x.dop = pairs(x.dv2 * kGroupRows);
+        x.qp = pairs(x.lsq / 2 * kGroupRows);
+        x.dop = pairs(x.lso / 2 * kGroupRows);
         x.qrp = pairs(kGroupRows / 2 * x.lqp);
         x.dorp = pairs(kGroupRows / 2 * x.lop);
         x.dsp = pairs(kUpdateBlocks * kDsPanel);
@@ -153,6 +219,8 @@ struct Bf16Products {
         x.kT = halves(p.d * x.ldkt);
         x.pT = halves(BC * kLP);
         x.dsT = halves(BC * kLP);
+        x.qs = halves(kGroupRows * x.lsq);
+        x.dos = halves(kGroupRows * x.lso);
         *floats = c.used;
         return x;
     }
@@ -183,25 +251,23 @@ struct Bf16Products {
         for (int64_t d = 0; d < x.d; ++d)
             for (int64_t e = x.keys; e < x.ldkt; ++e) x.kT[d * x.ldkt + e] = 0;
     }
-    // Row r of the group in both pair layouts (q / dO null: a padding row of zeros).
+    // Row r of the group into the bf16 staging rows: pack_row from float32 rows (q / dO null: a
+    // padding row of zeros), pack_row_raw from contiguous bf16 rows as they are (returns D_i);
+    // finish_rows then builds the four pair layouts.
     static void pack_row(Bufs& x, int64_t r, const float* q, const float* dO, int64_t D, int64_t Dv) {
-        if (q) G::pack_q_row(reinterpret_cast<float*>(x.qp), kGroupRows, r, q, D, 1.f);
-        else G::zero_q_row(reinterpret_cast<float*>(x.qp), kGroupRows, r, D);
-        if (dO) G::pack_q_row(reinterpret_cast<float*>(x.dop), kGroupRows, r, dO, Dv, 1.f);
-        else G::zero_q_row(reinterpret_cast<float*>(x.dop), kGroupRows, r, Dv);
-        pack_row_pairs(x.qrp, x.lqp, r, q, D);
-        pack_row_pairs(x.dorp, x.lop, r, dO, Dv);
+        Bf16RowStage::to_bf16(x.qs + r * x.lsq, x.lsq, q, D);
+        Bf16RowStage::to_bf16(x.dos + r * x.lso, x.lso, dO, Dv);
     }
-    // Half (r & 1) of pair (r / 2, j) of a [GR/2][ld] row-pair panel: row r's feature j.
-    // (The row rounded by V512::store_row first: vectorised, the bits of f32_to_bf16.)
-    static void pack_row_pairs(uint32_t* panel_pairs, int64_t ld, int64_t r, const float* row, int64_t n) {
-        uint16_t* h = reinterpret_cast<uint16_t*>(panel_pairs + (r / 2) * ld) + (r & 1);
-        alignas(64) uint16_t b[kMaxHeadDim];
-        if (row) V512::store_row(b, 0, 1, row, n, DType::bf16);
-        for (int64_t j = 0; j < ld; ++j) h[2 * j] = row && j < n ? b[j] : 0;
+    static float pack_row_raw(Bufs& x, int64_t r, const uint16_t* q, const uint16_t* dO, const uint16_t* o, int64_t D,
+                              int64_t Dv) {
+        Bf16RowStage::copy_bf16(x.qs + r * x.lsq, x.lsq, q, D);
+        Bf16RowStage::copy_bf16(x.dos + r * x.lso, x.lso, dO, Dv);
+        return Bf16RowStage::row_dot(dO, o, Dv);
     }
-
-    static void finish_rows(Bufs&, int64_t, int64_t, int64_t) {}  // pack_row did all
+    static void finish_rows(Bufs& x, int64_t M, int64_t, int64_t) {
+        Bf16RowStage::to_pairs<kGroupRows>(x.qs, x.lsq, M, x.qp, x.qrp, x.lqp);
+        Bf16RowStage::to_pairs<kGroupRows>(x.dos, x.lso, M, x.dop, x.dorp, x.lop);
+    }
     static void store_gradients(Bufs&, int64_t, float* sp, float* dpp, __m512 pr, __m512 ds) {
         _mm512_storeu_ps(sp, pr);
         _mm512_storeu_ps(dpp, ds);
