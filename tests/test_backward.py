@@ -301,7 +301,7 @@ def test_strides_do_not_matter(rng):
 
 def test_bf16_rows_taken_as_they_are_match_strided_rows(isa, rng):
     """Contiguous bf16 rows reach the amx family's operands as they are (backward_loop.h
-    pack_row_raw / pack_key_raw; the avx512bf16 family's keys too); rows with a feature stride go
+    pack_row_raw / pack_key_raw; the avx512bf16 family too); rows with a feature stride go
     through float32 rows. Same bits either way, with bf16 denormals in every input (read as zero by
     the tile products), head dims that are not whole tiles (odd ones past a whole 32-feature
     block: K^T's transpose tail) and keys that are not whole 16-key blocks, on every family."""
