@@ -209,11 +209,17 @@ struct F32Products {
     // across row blocks.
     template <int NC, int NJ>
     static inline void tn_micro(const float* pt, int64_t rows, const float* x, int64_t ldx, float* acc, int64_t lda) {
+        // acc's rows prefetched now and added after the products (backward_bf16.h PairGemm::micro:
+        // loaded first, from L2 or beyond, they held the first FMA of every chain).
+#pragma GCC unroll 24
+        for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 24
+            for (int j = 0; j < NJ; ++j) __builtin_prefetch(acc + c * lda + j * W);
         vec a[NJ][NC];
 #pragma GCC unroll 24
         for (int c = 0; c < NC; ++c)
 #pragma GCC unroll 24
-            for (int j = 0; j < NJ; ++j) a[j][c] = V::load(acc + c * lda + j * W);
+            for (int j = 0; j < NJ; ++j) a[j][c] = V::zero();
         for (int64_t b0 = 0; b0 < rows; b0 += RB, pt += kSlot) {
             const int64_t nr = rows - b0 < RB ? rows - b0 : RB;
             for (int64_t r = 0; r < nr; ++r) {
@@ -231,7 +237,7 @@ struct F32Products {
 #pragma GCC unroll 24
         for (int c = 0; c < NC; ++c)
 #pragma GCC unroll 24
-            for (int j = 0; j < NJ; ++j) V::store(acc + c * lda + j * W, a[j][c]);
+            for (int j = 0; j < NJ; ++j) V::store(acc + c * lda + j * W, V::add(V::load(acc + c * lda + j * W), a[j][c]));
     }
     // n keys in blocks of kAcc/NJ, the remainder in pairs, then one key.
     template <int NJ>
