@@ -10,7 +10,7 @@
 //   dP^T = V dO^T      rows      Dv         dop [Dv2][GR] dO pairs          vb  [nkeys][Dv2] V rows
 //   dV  += P^T dO      features  rows       dorp [GR/2][lop] dO row pairs   pT  [BC][kLP] bf16 P^T
 //   dK  += dS^T Q      features  rows       qrp  [GR/2][lqp] Q row pairs    dsT [BC][kLP] bf16 dS^T
-//   dQ^T += K^T dS^T   rows      keys       dsp [BC/2][RB] dS pairs per block        kT  [D][ldkt] K^T rows
+//   dQ^T += K^T dS^T   rows      keys       dsp [BC/2][RB] dS pairs/block   kT  [D][ldkt] K^T rows
 //
 // (D2 = ceil(D/2); odd D, Dv and padding rows are zero halves.) P and dS are rounded to bf16 (round
 // to nearest even) only as operands of dV, dK and dQ, as FlashAttention-2 does for bf16; S, dP, P,
