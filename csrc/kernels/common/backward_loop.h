@@ -285,22 +285,14 @@ struct BackwardLoop {
     template <class X>
     struct HasPairGradients<X, std::void_t<decltype(&X::pair_store)>> : std::true_type {};
     static constexpr bool kPairGradients = HasPairGradients<P>::value;
-    // Policies with pack_row_raw (backward_amx.h) or pack_key_raw (that and backward_bf16.h) take
-    // contiguous bf16 rows as they are (their operands are bf16), not through float32 rows; one
-    // with finish_keys completes its key operands after the item's keys are packed.
+    // Policies with pack_row_raw / pack_key_raw / finish_keys (backward_amx.h, backward_bf16.h)
+    // take contiguous bf16 rows as they are (their operands are bf16), not through float32 rows,
+    // and complete their key operands once the item's keys are packed.
     template <class X, class = void>
-    struct HasRawRows : std::false_type {};
+    struct HasRawBf16 : std::false_type {};
     template <class X>
-    struct HasRawRows<X, std::void_t<decltype(&X::pack_row_raw)>> : std::true_type {};
-    template <class X, class = void>
-    struct HasRawKeys : std::false_type {};
-    template <class X>
-    struct HasRawKeys<X, std::void_t<decltype(&X::pack_key_raw)>> : std::true_type {};
-    template <class X, class = void>
-    struct HasFinishKeys : std::false_type {};
-    template <class X>
-    struct HasFinishKeys<X, std::void_t<decltype(&X::finish_keys)>> : std::true_type {};
-    static constexpr bool kRawRows = HasRawRows<P>::value, kRawKeys = HasRawKeys<P>::value;
+    struct HasRawBf16<X, std::void_t<decltype(&X::pack_row_raw)>> : std::true_type {};
+    static constexpr bool kRawBf16 = HasRawBf16<P>::value;
     static_assert(RB % W == 0 && kGroupRows % RB == 0, "row groups are whole row blocks of whole vectors");
     static_assert(P::kRowAlign % W == 0 && RB % P::kRowAlign == 0, "padded rows stay whole vectors of a block");
 
@@ -364,15 +356,16 @@ struct BackwardLoop {
         const DType dt = DType(p.dtype);
 
         const int64_t k_head = it.kv_head * p.k_head_stride, v_head = it.kv_head * p.v_head_stride;
-        const bool raw_keys = kRawKeys && dt == DType::bf16 && p.k_dim_stride == 1 && p.v_dim_stride == 1;
-        const bool raw_rows = kRawRows && dt == DType::bf16 && p.q_dim_stride == 1 && bp.dout_dim_stride == 1 && p.out_dim_stride == 1;
+        const bool raw = kRawBf16 && dt == DType::bf16;
+        const bool raw_keys = raw && p.k_dim_stride == 1 && p.v_dim_stride == 1;
+        const bool raw_rows = raw && p.q_dim_stride == 1 && bp.dout_dim_stride == 1 && p.out_dim_stride == 1;
         auto bf16_at = [](const void* base, int64_t off) { return static_cast<const uint16_t*>(base) + off; };
         Careful cf(bp, it);
         for (int64_t c = 0; c < nkeys; ++c) {
             float krow[kMaxHeadDim], vrow[kMaxHeadDim];
             const void* kp = elem_ptr(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head, dt);
             const bool bad = cf.hides && row_nonfinite(kp, D, p.k_dim_stride, dt);
-            if constexpr (kRawKeys) {
+            if constexpr (kRawBf16) {
                 if (raw_keys && !bad) {
                     P::pack_key_raw(ops, c, bf16_at(p.k, k_row_offset(p, b, it.kb + c, p.k_batch_stride, p.k_row_stride) + k_head),
                                     bf16_at(p.v, k_row_offset(p, b, it.kb + c, p.v_batch_stride, p.v_row_stride) + v_head), D, Dv);
@@ -385,7 +378,7 @@ struct BackwardLoop {
                         Dv, p.v_dim_stride, dt);
             P::pack_key(ops, c, krow, vrow, D, Dv);
         }
-        if constexpr (HasFinishKeys<P>::value) P::finish_keys(ops);
+        if constexpr (kRawBf16) P::finish_keys(ops);
         for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldq; ++x) dkall[x] = 0.f;
         for (int64_t x = 0; x < (nkeys + P::kKeyPad) * ldo; ++x) dvall[x] = 0.f;
         if (it.part < 0) zero_dq_outside(bp, it);
@@ -412,7 +405,7 @@ struct BackwardLoop {
                 // (only under causal / a window can a non-finite q / dO element reach a pair that does not see it)
                 const bool bad = cf.hides && (row_nonfinite(elem_ptr(p.q, q_at, dt), D, p.q_dim_stride, dt) ||
                                               row_nonfinite(elem_ptr(bp.dout, do_at, dt), Dv, bp.dout_dim_stride, dt));
-                if constexpr (kRawRows) {
+                if constexpr (kRawBf16) {
                     if (raw_rows && !bad) {
                         delta[r] = P::pack_row_raw(ops, r, bf16_at(p.q, q_at), bf16_at(bp.dout, do_at), bf16_at(p.out, o_at), D, Dv);
                         packed = true;
