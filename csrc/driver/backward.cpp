@@ -89,17 +89,20 @@ int64_t target_items() { return std::max<int64_t>(FA2CPU_BWD_TARGET_ITEMS, kItem
 // (also on families that convert them to float32 products: not measured there). On 2
 // CPUs the caps are 16 / 24 MB (items up to ~7K / ~12K keys at D = 128), which the benchmark
 // shapes stay under: splitting H=16 N=2048 at 3 MB on 2 cores of that machine ran 4 % faster
-// (full) but 16 % slower (causal). bench/RESULTS.md "C++ backward", "Backward item size",
-// "Session 39".
+// (full) but 16 % slower (causal). A family may divide by more CPUs than the machine has
+// (BackwardKernel::bf16_cap_cpus): the avx512bf16 family's bf16 items are capped at 3 MB
+// everywhere (backward_bf16.h says why). bench/RESULTS.md "C++ backward", "Backward item size",
+// "Session 39", "Session 58".
 #ifndef FA2CPU_BWD_CACHE_BUDGET_MB
 #define FA2CPU_BWD_CACHE_BUDGET_MB 48
 #endif
 #ifndef FA2CPU_BWD_F32_BUDGET_MB
 #define FA2CPU_BWD_F32_BUDGET_MB 32
 #endif
-int64_t item_scratch_cap(const Params& p) {
-    const int64_t mb = DType(p.dtype) == DType::bf16 ? FA2CPU_BWD_CACHE_BUDGET_MB : FA2CPU_BWD_F32_BUDGET_MB;
-    return (mb << 20) / machine_cpus();
+int64_t item_scratch_cap(const Params& p, const BackwardKernel& K) {
+    if (DType(p.dtype) == DType::bf16)
+        return (int64_t(FA2CPU_BWD_CACHE_BUDGET_MB) << 20) / std::max(machine_cpus(), K.bf16_cap_cpus);
+    return (int64_t(FA2CPU_BWD_F32_BUDGET_MB) << 20) / machine_cpus();
 }
 
 // A (sequence, kv head) whose dq is the sum of `count` split items' partials, in split order.
@@ -146,7 +149,7 @@ Plan make_plan(const BackwardParams& bp, const BackwardKernel& K) {
     const int64_t G = p.hq / p.hk, tile = K.kv_tile;
     const int64_t pairs = p.batch * p.hk;  // (sequence, kv head) pairs
     const int64_t want = std::min(kMaxSplits, (target_items() + pairs - 1) / pairs);
-    const int64_t cap = item_scratch_cap(p);
+    const int64_t cap = item_scratch_cap(p, K);
     const int64_t n_fine = machine_cpus() >= FA2CPU_BWD_FINE_TAIL_CPUS && want > 1
                                ? std::min(pairs, (machine_cpus() + want - 1) / want) : 0;
     std::vector<double> cost;

@@ -116,6 +116,9 @@ struct BackwardKernel {
     int64_t kv_tile;  // keys per K/V tile: the driver's key splits fall on multiples of it
     int64_t (*scratch_floats)(const BackwardParams& p, int64_t keys);  // per-thread scratch, items of <= keys keys
     void (*run_item)(const BackwardParams& p, const BackwardItem& it, float* scratch, float* dq_part);
+    // The driver caps an item's bf16 scratch at its budget / max(the machine's CPUs, this)
+    // (backward.cpp item_scratch_cap): 1 unless the family measured smaller items faster.
+    int64_t bf16_cap_cpus;
 };
 
 // One row of the dispatch table (one per compiled family of catalogue.def).

@@ -103,9 +103,20 @@ struct DecodeRoute {
 };
 
 // A family's backward: one BackwardLoop<V> (backward_loop.h) serves every dtype and option.
+// kBf16CapCpus, where the backward declares it, is BackwardKernel::bf16_cap_cpus (else 1).
+template <class Loop, class = void>
+struct Bf16CapCpus {
+    static constexpr int64_t value = 1;
+};
+template <class Loop>
+struct Bf16CapCpus<Loop, std::void_t<decltype(Loop::kBf16CapCpus)>> {
+    static constexpr int64_t value = Loop::kBf16CapCpus;
+};
 template <class Loop>
 struct BackwardRoute {
-    static constexpr BackwardKernel kernel() { return BackwardKernel{Loop::BC, &Loop::scratch_floats, &Loop::run_item}; }
+    static constexpr BackwardKernel kernel() {
+        return BackwardKernel{Loop::BC, &Loop::scratch_floats, &Loop::run_item, Bf16CapCpus<Loop>::value};
+    }
 };
 
 // The dispatch-table row of a family: its backward and its forward routes, best first (the last
