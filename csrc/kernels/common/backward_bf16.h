@@ -324,8 +324,9 @@ struct Bf16Backward {
     static constexpr int64_t BC = F32::BC;
     // bf16 items capped as on 16 CPUs (3 MB) on any machine: on the 2-core Zen 4 (2 threads,
     // B=1 H=32 N=4096 D=128 full, in process against the machine's 24 MB cap) 1.006-1.055x over
-    // six orders (median 1.044x), and 1.10 / 1.11x in session 57; causal 0.99-1.08x, H=16 N=2048
-    // 1.00-1.05x. bench/RESULTS.md, sessions 57 and 58.
+    // six orders (median 1.044x), and 1.10 / 1.11x in session 57; causal 0.99-1.08x; H=16 N=2048
+    // (two splits instead of one) 0.98-1.05x, full and causal, 1 and 2 threads. bench/RESULTS.md,
+    // sessions 57 and 58.
     static constexpr int64_t kBf16CapCpus = 16;
     static int64_t scratch_floats(const BackwardParams& p, int64_t keys) {
         return DType(p.f.dtype) == DType::bf16 ? Bf16::scratch_floats(p, keys) : F32::scratch_floats(p, keys);
