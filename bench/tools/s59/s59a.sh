@@ -5,9 +5,8 @@
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD; T0=$(date +%s)
 lscpu | grep -E "^Model:|^CPU\(s\)|^Model name|^Flags" > $OUT/s59a_machine.txt
-bash bench/tools/s58/amx_phases.sh &
-python3 setup.py build_ext --inplace -j8 > /tmp/s59a_build.log 2>&1; echo "build rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/s59a_machine.txt
-wait
+python3 setup.py build_ext --inplace -j16 > /tmp/s59a_build.log 2>&1; echo "build rc=$? at $(( $(date +%s) - T0 )) s" >> $OUT/s59a_machine.txt
+bash bench/tools/s58/amx_phases.sh
 K="timeout 100 python3 bench/kv_quant.py --caches bf16,int8"
 { PYTHONPATH=$ROOT $K --threads 16 --reps 9
   PYTHONPATH=$ROOT taskset -c 0,1 $K --threads 2 --reps 7
