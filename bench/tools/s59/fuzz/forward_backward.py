@@ -4,7 +4,7 @@
 # not by error. Backward gradients use 5x the forward tolerance times max(1, |grad|); one case of
 # 155,000 (nk = 1, where dS = P (dP - D) is pure rounding noise and dk is 0 exactly) read 1.5e-4.
 import sys, time, traceback, numpy as np, ml_dtypes, fa2cpu
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..", "..", "..", "tests"))
+import _common  # noqa: F401 (puts tests/ on sys.path)
 from conftest import TOL
 from fa2cpu import _reference as R
 seed0, seconds = int(sys.argv[1]), float(sys.argv[2])

@@ -1,7 +1,7 @@
 # Session 59. PYTHONPATH=$PWD python bench/tools/s59/fuzz/kvcache.py SEED SECONDS (from the checkout's root); prints FAIL / EXC lines and a count.
 # Random-option differential fuzz of flash_attention_with_kvcache (float and quantized caches).
 import sys, time, traceback, numpy as np, ml_dtypes, fa2cpu
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..", "..", "..", "tests"))
+import _common  # noqa: F401 (puts tests/ on sys.path)
 from conftest import TOL
 from fa2cpu import _reference as R
 from fa2cpu.attention import _quantize

@@ -1,9 +1,9 @@
 # Session 59. PYTHONPATH=$PWD python bench/tools/s59/fuzz/torch_varlen_grad.py SEED SECONDS (from the checkout's root); prints FAIL / EXC lines and a count.
 # Random fuzz of fa2cpu.torch.flash_attention_varlen's autograd (q, k, v and sinks gradients) against
 # fa2cpu._reference.attention_backward_ref per sequence, in float64.
-import sys, os, time, traceback, numpy as np, torch, ml_dtypes, fa2cpu
+import sys, time, traceback, numpy as np, torch, ml_dtypes, fa2cpu
 import fa2cpu.torch as ft
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "tests"))
+from _common import masking, seqlens  # noqa: E402 (also puts tests/ on sys.path)
 from conftest import TOL
 from fa2cpu import _reference as R
 seed0, seconds = int(sys.argv[1]), float(sys.argv[2])
@@ -17,13 +17,9 @@ while time.time() < t_end:
     fam = fams[rng.integers(len(fams))]; fa2cpu.set_isa(fam)
     name = ["float32", "float16", "bfloat16"][rng.integers(3)]; dt = TD[name]
     B = int(rng.integers(1, 4)); hk = int(rng.choice([1, 2])); g = int(rng.choice([1, 2, 4])); hq = hk * g
-    lq = rng.choice([0, 1, 5, 17, 40, 70], B); lk = np.where(rng.random(B) < 0.5, lq, rng.choice([0, 1, 9, 33, 80], B))
-    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32); ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    lq, lk, cq, ck = seqlens(rng, B, [0, 1, 5, 17, 40, 70], [0, 1, 9, 33, 80])
     D = int(rng.choice([8, 32, 64, 96])); Dv = D
-    causal = bool(rng.random() < 0.5)
-    window = (-1, -1) if rng.random() < 0.7 else (int(rng.integers(-1, 30)), int(rng.integers(-1, 30)))
-    softcap = None if rng.random() < 0.8 else float(rng.uniform(5, 30))
-    alibi = None if rng.random() < 0.8 else rng.uniform(0, 0.3, (hq,)).astype(np.float32)
+    causal, window, softcap, alibi = masking(rng, hq, 30)
     use_sinks = bool(rng.random() < 0.3); thr = int(rng.integers(1, 3))
     q = torch.from_numpy(rng.standard_normal((int(cq[-1]), hq, D)).astype(np.float32)).to(dt).requires_grad_()
     k = torch.from_numpy(rng.standard_normal((int(ck[-1]), hk, D)).astype(np.float32)).to(dt).requires_grad_()

@@ -2,7 +2,7 @@
 # Random fuzz of flash_attention_varlen (+ its backward when available) against the float64 reference,
 # with non-contiguous / negative-stride / broadcast views.
 import sys, time, traceback, numpy as np, ml_dtypes, fa2cpu
-sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), "..", "..", "..", "..", "tests"))
+from _common import masking, seqlens  # noqa: E402 (also puts tests/ on sys.path)
 from conftest import TOL
 from fa2cpu import _reference as R
 seed0, seconds = int(sys.argv[1]), float(sys.argv[2])
@@ -22,13 +22,9 @@ while time.time() < t_end:
     fam = fams[rng.integers(len(fams))]; fa2cpu.set_isa(fam)
     name = ["float32", "float16", "bfloat16"][rng.integers(3)]; dt = DT[name]
     B = int(rng.integers(1, 5)); hk = int(rng.choice([1, 2, 3])); g = int(rng.choice([1, 2, 4])); hq = hk * g
-    lq = rng.choice([0, 1, 5, 16, 17, 33, 100, 130], B); lk = np.where(rng.random(B) < 0.5, lq, rng.choice([0, 1, 7, 64, 65, 200], B))
-    cq = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32); ck = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+    lq, lk, cq, ck = seqlens(rng, B, [0, 1, 5, 16, 17, 33, 100, 130], [0, 1, 7, 64, 65, 200])
     D = int(rng.choice([8, 64, 100, 128])); Dv = D
-    causal = bool(rng.random() < 0.5)
-    window = (-1, -1) if rng.random() < 0.7 else (int(rng.integers(-1, 50)), int(rng.integers(-1, 50)))
-    softcap = None if rng.random() < 0.8 else float(rng.uniform(5, 30))
-    alibi = None if rng.random() < 0.8 else rng.uniform(0, 0.3, (hq,)).astype(np.float32)
+    causal, window, softcap, alibi = masking(rng, hq, 50)
     sinks = None if rng.random() < 0.75 else rng.standard_normal(hq).astype(np.float32)
     thr = int(rng.integers(1, 3))
     q = view(rng.standard_normal((int(cq[-1]), hq, D)).astype(dt), rng)
