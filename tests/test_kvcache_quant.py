@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fa2cpu
-from conftest import DTYPES, arg, check_close, rand, ref
+from conftest import DTYPES, arg, check_close, rand, ref, run_python
 from test_kvcache import assert_bytes_equal
 
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -308,6 +308,76 @@ def test_int16_products_extremes(isa, rng, dtype):
     keep = [0, 1, 3]
     np.testing.assert_allclose(out[0, 0, keep].astype(np.float64), r_out[0, 0, keep], **TIGHT[dtype])
     check_lse_bound(lse[:, keep], r_lse[:, keep], q[:, :, keep], dequantize(kc, ks))
+
+
+_AVX512_I8_CHILD = """
+import sys
+import ml_dtypes, numpy as np, fa2cpu
+fa2cpu.set_isa("avx512")
+got = np.load(sys.argv[1])
+qdtype = ml_dtypes.bfloat16 if str(got["qdtype"]) == "bfloat16" else np.float16
+res = {}
+for i in range(int(got["n"])):
+    a = {x: got[f"{x}{i}"] for x in ("q", "kc", "vc", "ks", "vs", "lens")}
+    table = got[f"table{i}"] if f"table{i}" in got else None
+    out, lse = fa2cpu.flash_attention_with_kvcache(a["q"].view(qdtype), a["kc"], a["vc"], k_scale=a["ks"],
+                                                   v_scale=a["vs"], cache_seqlens=a["lens"], block_table=table,
+                                                   num_splits=int(got[f"splits{i}"]), return_lse=True)
+    res[f"o{i}"], res[f"l{i}"] = out.astype(np.float32), lse
+np.savez(sys.argv[2], **res)
+"""
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+@pytest.mark.skipif("avx512" not in fa2cpu.available_isas(), reason="the avx512 family does not run on this CPU")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_avx512_int8_decode_forms(tmp_path, rng, dtype):
+    """The avx512 family's int8-cache decode for 16-bit q (gemm_decode.h I8Decode16Loop): int16
+    products where the CPU has AVX512-VNNI, the float32 route where it has not or under
+    FA2CPU_I8_VNNI=0 (read once per process, hence child processes). Both forms against the float64
+    reference at the int16 route's tight bound, on head dims with 32-feature tails, one-head and
+    head-spanning groups, paged blocks and splits; where /proc/cpuinfo lists avx512_vnni the two
+    forms must differ (else the switch did nothing)."""
+    cases = [(2, 300, 8, 2, 128, 128, None, 0), (1, 80, 6, 1, 72, 40, 16, 3), (2, 513, 4, 4, 256, 256, None, 2),
+             (1, 5, 2, 1, 16, 100, None, 0)]
+    inp = {"n": np.array(len(cases)), "qdtype": np.array(dtype)}
+    refs = []
+    for i, (B, cap, Hq, Hk, D, Dv, block, splits) in enumerate(cases):
+        kc, vc, ks, vs, table = quant_cache(rng, B, cap, Hk, D, Dv, "int8", block_size=block)
+        q = rand(rng, (B, 1, Hq, D), dtype, scale=2.0)
+        lens = (np.arange(B, dtype=np.int32) * (cap // 3) + cap - B + 1).clip(1, cap).astype(np.int32)
+        refs.append((q, kc, ks, table, ref.kvcache_ref(q, dequantize(kc, ks), dequantize(vc, vs), cache_seqlens=lens,
+                                                       block_table=table)))
+        inp.update({f"q{i}": q.view(np.uint16), f"kc{i}": kc, f"vc{i}": vc, f"ks{i}": ks, f"vs{i}": vs,
+                    f"lens{i}": lens, f"splits{i}": np.array(splits)})
+        if table is not None:
+            inp[f"table{i}"] = table
+    np.savez(tmp_path / "in.npz", **inp)
+    outs = {}
+    for form in ("default", "0"):
+        path = tmp_path / f"out_{form}.npz"
+        env = {"FA2CPU_I8_VNNI": None if form == "default" else form, "FA2CPU_ISA": None}
+        res = run_python(_AVX512_I8_CHILD, tmp_path / "in.npz", path, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs[form] = np.load(path)
+        for i, (q, kc, ks, table, (r_out, r_lse)) in enumerate(refs):
+            np.testing.assert_allclose(outs[form][f"o{i}"].astype(np.float64), r_out, **TIGHT[dtype],
+                                       err_msg=f"case {i}, FA2CPU_I8_VNNI={form}")
+            check_lse_bound(outs[form][f"l{i}"], r_lse, q, dequantize(kc, ks), table)
+    flags = _cpu_flags()
+    if flags is not None and "avx512_vnni" in flags:
+        assert any(not np.array_equal(outs["default"][f"o{i}"], outs["0"][f"o{i}"]) for i in range(len(cases))), \
+            "AVX512-VNNI CPU: the default form gave the float32 route's bits"
 
 
 # ------------------------------------------------------------------------------ errors

@@ -59,6 +59,7 @@ static CpuFeatures detect() {
 
     f.avx2 = os_ymm && avx2 && fma && f16c;
     f.avx512 = f.avx2 && os_zmm && avx512f && avx512dq && avx512bw && avx512vl;
+    f.avx512vnni = f.avx512 && avx512_vnni;
     f.avx512bf16 = f.avx512 && avx512_bf16 && avx512_vnni;  // every AVX512_BF16 CPU has VNNI
     f.amx = f.avx512bf16 && amx_bf16 && amx_tile && os_amx && request_amx_permission();
     return f;

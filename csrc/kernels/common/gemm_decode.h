@@ -10,8 +10,10 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <type_traits>
 
+#include "../../dispatch/cpu_features.h"
 #include "kernel.h"
 #include "decode_operands.h"
 #include "policy.h"
@@ -245,7 +247,6 @@ struct DecodeGemm : DecodeOperands<E, 4> {
     }
 };
 
-#ifdef __AVX512VNNI__
 // Q16DecodeGemm<C>: a quantized cache read by 16-bit queries with both decode products as
 // pairwise 16-bit dot products (32 multiply-adds per instruction, twice an FMA's), the codes
 // widened 32 at a time by C. Two instances:
@@ -293,7 +294,9 @@ struct I8Int16Codes {
     static constexpr bool kIntQ = true;  // q and P rounded to int16 with per-row / per-tile scales
     static __m512i widen(__m256i codes) { return _mm512_cvtepi8_epi16(codes); }
     // acc + pairwise products of a and b (vpdpwssd). Written as asm: gcc's builtin copies the
-    // accumulator to a fresh register and back around every instruction (and spills them).
+    // accumulator to a fresh register and back around every instruction (and spills them). The
+    // asm also needs no -mavx512vnni: the avx512 family, built without it, runs this code only on
+    // CPUs that have it (I8Decode16Loop below).
     static inline __attribute__((always_inline)) __m512i dot(__m512i acc, __m512i a, __m512i b) {
         __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
         return acc;
@@ -751,9 +754,35 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
         }
     }
 };
+#ifdef __AVX512VNNI__
 using I8Decode16Loop = TileLoop<V512, Q16DecodeGemm<I8Int16Codes>>;
 #else
-using I8Decode16Loop = TileLoop<V512, DecodeGemm<I8Elem>>;  // no VNNI: the float32 route
+// The avx512 family (flags without AVX512-VNNI, for Skylake-SP) on a CPU with AVX512-VNNI but no
+// AVX512-BF16 (Cascade Lake, Ice Lake: no avx512bf16 family there, and API.md fixes the family
+// names): the int16 products above where the CPU has vpdpwssd, else the float32 route. On a
+// 2-core Ice Lake-SP (B=16 Hq=32 Hk=8 Nk=8192 D=128, bf16 q) the float32 route read the int8
+// cache no faster than the bf16 cache (bench/RESULTS.md, session 60). FA2CPU_I8_VNNI=0 keeps the
+// float32 route (read once per process; for A/B runs).
+struct I8Decode16Loop {
+    using Int16 = TileLoop<V512, Q16DecodeGemm<I8Int16Codes>>;
+    using Float = TileLoop<V512, DecodeGemm<I8Elem>>;
+    static constexpr int64_t BC = Int16::BC;
+    static_assert(Float::BC == BC, "one tile size");
+    static bool int16() {
+        static const bool on = [] {
+            const char* e = std::getenv("FA2CPU_I8_VNNI");
+            return cpu_features().avx512vnni && !(e && e[0] == '0');
+        }();
+        return on;
+    }
+    static int64_t scratch_floats(const Params& p, int64_t rows) {
+        return int16() ? Int16::scratch_floats(p, rows) : Float::scratch_floats(p, rows);
+    }
+    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
+        if (int16()) Int16::run_item(p, it, ctx);
+        else Float::run_item(p, it, ctx);
+    }
+};
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 using F8Decode16Loop = TileLoop<V512, Q16DecodeGemm<F8Bf16Codes>>;
