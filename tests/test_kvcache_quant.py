@@ -240,8 +240,8 @@ def test_nan_code_propagates(isa, rng):
 
 
 # ---------------------------------------------- int8 cache, 16-bit queries: the int16 products
-# On AVX512-VNNI families an int8 cache read by bf16 / fp16 queries takes int16 dot products
-# (gemm_decode.h, Q16DecodeGemm<I8Int16Codes>): q rounded to int16 per row, P x v_scale per (row, tile). Its
+# On the AVX-512 families an int8 cache read by bf16 / fp16 queries takes int16 dot products
+# (gemm_decode.h, Q16DecodeGemm<I8Int16Codes>; vpdpwssd, or vpmaddwd + vpaddd without AVX512-VNNI): q rounded to int16 per row, P x v_scale per (row, tile). Its
 # error (~2^-15 of a row's largest value) is far inside TOL, so these tests bound it more tightly
 # than TOL would: a weight or q kept at 8 bits, or a lost tile, would show at this bound (the
 # other families run the same checks on their float32 route).
@@ -328,26 +328,16 @@ np.savez(sys.argv[2], **res)
 """
 
 
-def _cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
 @pytest.mark.skipif("avx512" not in fa2cpu.available_isas(), reason="the avx512 family does not run on this CPU")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_avx512_int8_decode_forms(tmp_path, rng, dtype):
     """The avx512 family's int8-cache decode for 16-bit q (gemm_decode.h I8Decode16Loop): int16
-    products where the CPU has AVX512-VNNI, the float32 route where it has not or under
-    FA2CPU_I8_VNNI=0 (read once per process, hence child processes). Both forms against the float64
-    reference at the int16 route's tight bound, on head dims with 32-feature tails, one-head and
-    head-spanning groups, paged blocks and splits; where /proc/cpuinfo lists avx512_vnni the two
-    forms must differ (else the switch did nothing)."""
+    products by vpdpwssd where the CPU has AVX512-VNNI, else by vpmaddwd + vpaddd (FA2CPU_I8_DECODE=madd
+    forces it), or the float32 route (FA2CPU_I8_DECODE=float); the form is read once per process,
+    hence child processes. Every form against the float64 reference at the int16 route's tight
+    bound, on head dims with 32-feature tails, one-head and head-spanning groups, paged blocks and
+    splits; the two int16 forms give the same bits (exact int32 sums) and the float32 route other
+    bits (else the switch did nothing)."""
     cases = [(2, 300, 8, 2, 128, 128, None, 0), (1, 80, 6, 1, 72, 40, 16, 3), (2, 513, 4, 4, 256, 256, None, 2),
              (1, 5, 2, 1, 16, 100, None, 0)]
     inp = {"n": np.array(len(cases)), "qdtype": np.array(dtype)}
@@ -364,20 +354,21 @@ def test_avx512_int8_decode_forms(tmp_path, rng, dtype):
             inp[f"table{i}"] = table
     np.savez(tmp_path / "in.npz", **inp)
     outs = {}
-    for form in ("default", "0"):
+    for form in ("default", "madd", "float"):
         path = tmp_path / f"out_{form}.npz"
-        env = {"FA2CPU_I8_VNNI": None if form == "default" else form, "FA2CPU_ISA": None}
+        env = {"FA2CPU_I8_DECODE": None if form == "default" else form, "FA2CPU_ISA": None}
         res = run_python(_AVX512_I8_CHILD, tmp_path / "in.npz", path, env=env)
         assert res.returncode == 0, res.stderr[-3000:]
         outs[form] = np.load(path)
         for i, (q, kc, ks, table, (r_out, r_lse)) in enumerate(refs):
             np.testing.assert_allclose(outs[form][f"o{i}"].astype(np.float64), r_out, **TIGHT[dtype],
-                                       err_msg=f"case {i}, FA2CPU_I8_VNNI={form}")
+                                       err_msg=f"case {i}, FA2CPU_I8_DECODE={form}")
             check_lse_bound(outs[form][f"l{i}"], r_lse, q, dequantize(kc, ks), table)
-    flags = _cpu_flags()
-    if flags is not None and "avx512_vnni" in flags:
-        assert any(not np.array_equal(outs["default"][f"o{i}"], outs["0"][f"o{i}"]) for i in range(len(cases))), \
-            "AVX512-VNNI CPU: the default form gave the float32 route's bits"
+    for i in range(len(cases)):
+        assert np.array_equal(outs["default"][f"o{i}"], outs["madd"][f"o{i}"]), f"case {i}: int16 forms differ"
+        assert np.array_equal(outs["default"][f"l{i}"], outs["madd"][f"l{i}"]), f"case {i}: int16 forms' lse differ"
+    assert any(not np.array_equal(outs["default"][f"o{i}"], outs["float"][f"o{i}"]) for i in range(len(cases))), \
+        "the default form gave the float32 route's bits"
 
 
 # ------------------------------------------------------------------------------ errors

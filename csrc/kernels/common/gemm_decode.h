@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "../../dispatch/cpu_features.h"
@@ -251,8 +252,9 @@ struct DecodeGemm : DecodeOperands<E, 4> {
 // pairwise 16-bit dot products (32 multiply-adds per instruction, twice an FMA's), the codes
 // widened 32 at a time by C. Two instances:
 //
-// C = I8Int16Codes, an int8 cache read by bfloat16 / float16 queries on AVX512-VNNI: both
-// decode products as int16 dot products (vpdpwssd, and one vpmovsxbw per 32 codes instead of two
+// C = I8Int16Codes, an int8 cache read by bfloat16 / float16 queries on AVX-512: both decode
+// products as int16 dot products (vpdpwssd; vpmaddwd + vpaddd, same bits, on CPUs without
+// AVX512-VNNI: I8Int16CodesT<false>), and one vpmovsxbw per 32 codes instead of two
 // conversions per 16). On the 2-core Xeon the float32 route
 // spent ~110 cycles per (key, kv head) where a bf16 cache streams at ~55 on one core: the codes'
 // arithmetic, not their bytes, set its speed.
@@ -289,17 +291,24 @@ struct DecodeGemm : DecodeOperands<E, 4> {
 // for int16 and float32 sums for int32 (row and weight scales 1 unless non-finite). Zen 4, B=16
 // Hq=32 Hk=8 Nk=8192 bf16 q: 1.80-1.86x the float32 route's speed, about the bf16 cache's; on the
 // AMX Xeon 1.12-1.22x (vdpbf16ps issues at half the FMA rate there: only the conversions gained).
-struct I8Int16Codes {
+// kVnni: vpdpwssd; else vpmaddwd + vpaddd (AVX-512 BW, for CPUs without AVX512-VNNI): the same
+// exact int32 sums (no pair sum reaches 2^31: |q| <= 2^15 - 1, |code| <= 128), so the same bits.
+template <bool kVnni>
+struct I8Int16CodesT {
     using Elem = I8Elem;
     static constexpr bool kIntQ = true;  // q and P rounded to int16 with per-row / per-tile scales
     static __m512i widen(__m256i codes) { return _mm512_cvtepi8_epi16(codes); }
     // acc + pairwise products of a and b (vpdpwssd). Written as asm: gcc's builtin copies the
     // accumulator to a fresh register and back around every instruction (and spills them). The
-    // asm also needs no -mavx512vnni: the avx512 family, built without it, runs this code only on
+    // asm also needs no -mavx512vnni: the avx512 family, built without it, runs this form only on
     // CPUs that have it (I8Decode16Loop below).
     static inline __attribute__((always_inline)) __m512i dot(__m512i acc, __m512i a, __m512i b) {
-        __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
-        return acc;
+        if constexpr (kVnni) {
+            __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+            return acc;
+        } else {
+            return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+        }
     }
     static __m512 add(__m512 a, __m512 b) {  // the int32 sums, seen through float casts
         return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
@@ -307,6 +316,7 @@ struct I8Int16Codes {
     static __m512 to_float(__m512 sums) { return _mm512_cvtepi32_ps(_mm512_castps_si512(sums)); }
     static __m512 to_float(__m512i sums) { return _mm512_cvtepi32_ps(sums); }
 };
+using I8Int16Codes = I8Int16CodesT<true>;
 
 #ifdef __AVX512BF16__
 // bf16 bits of the e4m3fn magnitude m (code & 0x7f): exponent e = m >> 3, mantissa f = m & 7;
@@ -757,30 +767,42 @@ struct Q16DecodeGemm : DecodeGemm<typename C::Elem> {
 #ifdef __AVX512VNNI__
 using I8Decode16Loop = TileLoop<V512, Q16DecodeGemm<I8Int16Codes>>;
 #else
-// The avx512 family (flags without AVX512-VNNI, for Skylake-SP) on a CPU with AVX512-VNNI but no
-// AVX512-BF16 (Cascade Lake, Ice Lake: no avx512bf16 family there, and API.md fixes the family
-// names): the int16 products above where the CPU has vpdpwssd, else the float32 route. On a
-// 2-core Ice Lake-SP (B=16 Hq=32 Hk=8 Nk=8192 D=128, bf16 q) the float32 route read the int8
-// cache no faster than the bf16 cache (bench/RESULTS.md, session 60). FA2CPU_I8_VNNI=0 keeps the
-// float32 route (read once per process; for A/B runs).
+// The avx512 family, built without AVX512-VNNI (Skylake-SP has none), and API.md fixes the family
+// names: the int16 products with vpdpwssd where the CPU has AVX512-VNNI but no AVX512-BF16
+// (Cascade Lake, Ice Lake: no avx512bf16 family there), else with vpmaddwd + vpaddd (same bits).
+// Its float32 route read the int8 cache no faster than the bf16 cache on a 2-core Ice Lake-SP
+// (B=16 Hq=32 Hk=8 Nk=8192 D=128, bf16 q); the vpdpwssd form ran 1.6-1.8x faster, the vpmaddwd
+// form 1.4-1.5x (bench/RESULTS.md, session 60; no Skylake-SP measured). FA2CPU_I8_DECODE=float
+// or =madd forces a form (read once per process; for A/B runs and tests).
 struct I8Decode16Loop {
-    using Int16 = TileLoop<V512, Q16DecodeGemm<I8Int16Codes>>;
+    using Vnni = TileLoop<V512, Q16DecodeGemm<I8Int16CodesT<true>>>;
+    using Madd = TileLoop<V512, Q16DecodeGemm<I8Int16CodesT<false>>>;
     using Float = TileLoop<V512, DecodeGemm<I8Elem>>;
-    static constexpr int64_t BC = Int16::BC;
-    static_assert(Float::BC == BC, "one tile size");
-    static bool int16() {
-        static const bool on = [] {
-            const char* e = std::getenv("FA2CPU_I8_VNNI");
-            return cpu_features().avx512vnni && !(e && e[0] == '0');
+    static constexpr int64_t BC = Vnni::BC;
+    static_assert(Madd::BC == BC && Float::BC == BC, "one tile size");
+    enum Form { kVnniForm, kMaddForm, kFloatForm };
+    static Form form() {
+        static const Form f = [] {
+            const char* e = std::getenv("FA2CPU_I8_DECODE");
+            if (e && std::strcmp(e, "float") == 0) return kFloatForm;
+            if (e && std::strcmp(e, "madd") == 0) return kMaddForm;
+            return cpu_features().avx512vnni ? kVnniForm : kMaddForm;
         }();
-        return on;
+        return f;
     }
     static int64_t scratch_floats(const Params& p, int64_t rows) {
-        return int16() ? Int16::scratch_floats(p, rows) : Float::scratch_floats(p, rows);
+        switch (form()) {
+            case kVnniForm: return Vnni::scratch_floats(p, rows);
+            case kMaddForm: return Madd::scratch_floats(p, rows);
+            default: return Float::scratch_floats(p, rows);
+        }
     }
     static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
-        if (int16()) Int16::run_item(p, it, ctx);
-        else Float::run_item(p, it, ctx);
+        switch (form()) {
+            case kVnniForm: return Vnni::run_item(p, it, ctx);
+            case kMaddForm: return Madd::run_item(p, it, ctx);
+            default: return Float::run_item(p, it, ctx);
+        }
     }
 };
 #endif
