@@ -90,8 +90,8 @@ _BLAS_ONE_THREAD = threadpoolctl.threadpool_limits(1, user_api="blas")
 # dequantize exactly (a code times a float32 scale, rounded once to float32) and multiply in
 # float32. Two exceptions, for 16-bit q only: an int8 cache's decode on the AVX-512 and avx2
 # families (gemm_decode.h, Q16DecodeGemm<I8Int16Codes>; gemm_decode_avx2.h) rounds q to int16 per
-# row (a power-of-two step, <= 2^-15 of the row's max |q|; bf16 values within 2^7 of it exact) and P x v_scale to int16 per
-# (row, tile) (<= 2^-16 of the tile's largest weight): ~1e-4 relative at most, measured 1.7e-5 on
+# row (a power-of-two step, <= 2^-15 of the row's max |q|; bf16 values within 2^7 of it exact)
+# and P x v_scale to int16 per (row, tile) (<= 2^-16 of the tile's largest weight): ~1e-4 relative at most, measured 1.7e-5 on
 # the LSE, far inside the 16-bit rows; test_kvcache_quant.py checks it against a 4-8x tighter
 # bound. A float8 cache's decode with bf16 q on AVX512-BF16 families (Q16DecodeGemm<F8Bf16Codes>)
 # takes q and the codes exactly (every e4m3 value is a bf16) and rounds P x v_scale to bf16 (<= 2^-8

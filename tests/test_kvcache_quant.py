@@ -241,7 +241,8 @@ def test_nan_code_propagates(isa, rng):
 
 # ---------------------------------------------- int8 cache, 16-bit queries: the int16 products
 # On the AVX-512 families an int8 cache read by bf16 / fp16 queries takes int16 dot products
-# (gemm_decode.h, Q16DecodeGemm<I8Int16Codes>; vpdpwssd, or vpmaddwd + vpaddd without AVX512-VNNI): q rounded to int16 per row, P x v_scale per (row, tile). Its
+# (gemm_decode.h, Q16DecodeGemm<I8Int16Codes>; vpdpwssd, or vpmaddwd + vpaddd without
+# AVX512-VNNI): q rounded to int16 per row, P x v_scale per (row, tile). Its
 # error (~2^-15 of a row's largest value) is far inside TOL, so these tests bound it more tightly
 # than TOL would: a weight or q kept at 8 bits, or a lost tile, would show at this bound (the
 # other families run the same checks on their float32 route).
@@ -346,8 +347,8 @@ def test_avx512_int8_decode_forms(tmp_path, rng, dtype):
         kc, vc, ks, vs, table = quant_cache(rng, B, cap, Hk, D, Dv, "int8", block_size=block)
         q = rand(rng, (B, 1, Hq, D), dtype, scale=2.0)
         lens = (np.arange(B, dtype=np.int32) * (cap // 3) + cap - B + 1).clip(1, cap).astype(np.int32)
-        refs.append((q, kc, ks, table, ref.kvcache_ref(q, dequantize(kc, ks), dequantize(vc, vs), cache_seqlens=lens,
-                                                       block_table=table)))
+        k = dequantize(kc, ks)
+        refs.append((q, k, table, ref.kvcache_ref(q, k, dequantize(vc, vs), cache_seqlens=lens, block_table=table)))
         inp.update({f"q{i}": q.view(np.uint16), f"kc{i}": kc, f"vc{i}": vc, f"ks{i}": ks, f"vs{i}": vs,
                     f"lens{i}": lens, f"splits{i}": np.array(splits)})
         if table is not None:
@@ -360,10 +361,10 @@ def test_avx512_int8_decode_forms(tmp_path, rng, dtype):
         res = run_python(_AVX512_I8_CHILD, tmp_path / "in.npz", path, env=env)
         assert res.returncode == 0, res.stderr[-3000:]
         outs[form] = np.load(path)
-        for i, (q, kc, ks, table, (r_out, r_lse)) in enumerate(refs):
+        for i, (q, k, table, (r_out, r_lse)) in enumerate(refs):
             np.testing.assert_allclose(outs[form][f"o{i}"].astype(np.float64), r_out, **TIGHT[dtype],
                                        err_msg=f"case {i}, FA2CPU_I8_DECODE={form}")
-            check_lse_bound(outs[form][f"l{i}"], r_lse, q, dequantize(kc, ks), table)
+            check_lse_bound(outs[form][f"l{i}"], r_lse, q, k, table)
     for i in range(len(cases)):
         assert np.array_equal(outs["default"][f"o{i}"], outs["madd"][f"o{i}"]), f"case {i}: int16 forms differ"
         assert np.array_equal(outs["default"][f"l{i}"], outs["madd"][f"l{i}"]), f"case {i}: int16 forms' lse differ"

@@ -253,8 +253,8 @@ struct DecodeGemm : DecodeOperands<E, 4> {
 // widened 32 at a time by C. Two instances:
 //
 // C = I8Int16Codes, an int8 cache read by bfloat16 / float16 queries on AVX-512: both decode
-// products as int16 dot products (vpdpwssd; vpmaddwd + vpaddd, same bits, on CPUs without
-// AVX512-VNNI: I8Int16CodesT<false>), and one vpmovsxbw per 32 codes instead of two
+// products as int16 dot products (vpdpwssd, or vpmaddwd + vpaddd with the same bits on CPUs
+// without AVX512-VNNI: I8Int16CodesT<false>; one vpmovsxbw per 32 codes instead of two
 // conversions per 16). On the 2-core Xeon the float32 route
 // spent ~110 cycles per (key, kv head) where a bf16 cache streams at ~55 on one core: the codes'
 // arithmetic, not their bytes, set its speed.
