@@ -774,37 +774,13 @@ using I8Decode16Loop = TileLoop<V512, Q16DecodeGemm<I8Int16Codes>>;
 // (B=16 Hq=32 Hk=8 Nk=8192 D=128, bf16 q); the vpdpwssd form ran 1.6-1.8x faster, the vpmaddwd
 // form 1.4-1.5x (bench/RESULTS.md, session 60; no Skylake-SP measured). FA2CPU_I8_DECODE=float
 // or =madd forces a form (read once per process; for A/B runs and tests).
-struct I8Decode16Loop {
-    using Vnni = TileLoop<V512, Q16DecodeGemm<I8Int16CodesT<true>>>;
-    using Madd = TileLoop<V512, Q16DecodeGemm<I8Int16CodesT<false>>>;
-    using Float = TileLoop<V512, DecodeGemm<I8Elem>>;
-    static constexpr int64_t BC = Vnni::BC;
-    static_assert(Madd::BC == BC && Float::BC == BC, "one tile size");
-    enum Form { kVnniForm, kMaddForm, kFloatForm };
-    static Form form() {
-        static const Form f = [] {
-            const char* e = std::getenv("FA2CPU_I8_DECODE");
-            if (e && std::strcmp(e, "float") == 0) return kFloatForm;
-            if (e && std::strcmp(e, "madd") == 0) return kMaddForm;
-            return cpu_features().avx512vnni ? kVnniForm : kMaddForm;
-        }();
-        return f;
-    }
-    static int64_t scratch_floats(const Params& p, int64_t rows) {
-        switch (form()) {
-            case kVnniForm: return Vnni::scratch_floats(p, rows);
-            case kMaddForm: return Madd::scratch_floats(p, rows);
-            default: return Float::scratch_floats(p, rows);
-        }
-    }
-    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
-        switch (form()) {
-            case kVnniForm: return Vnni::run_item(p, it, ctx);
-            case kMaddForm: return Madd::run_item(p, it, ctx);
-            default: return Float::run_item(p, it, ctx);
-        }
-    }
+struct I8Decode16Pick {
+    static constexpr const char* kEnv = "FA2CPU_I8_DECODE";
+    static constexpr const char* kNames[] = {nullptr, "madd", "float"};  // vpdpwssd: only where the CPU has it
+    static int index() { return cpu_features().avx512vnni ? 0 : 1; }
 };
+using I8Decode16Loop = PickedLoop<I8Decode16Pick, TileLoop<V512, Q16DecodeGemm<I8Int16CodesT<true>>>,
+                                  TileLoop<V512, Q16DecodeGemm<I8Int16CodesT<false>>>, TileLoop<V512, DecodeGemm<I8Elem>>>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 using F8Decode16Loop = TileLoop<V512, Q16DecodeGemm<F8Bf16Codes>>;

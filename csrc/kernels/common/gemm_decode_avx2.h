@@ -771,29 +771,14 @@ struct Q16DecodeGemm8 : DecodeGemm8<I8x8> {
 // every other step of NumPy's rows, which start 16 bytes past a line; two 16-byte loads cost Zen 1
 // 5 % and did not help on Intel. FA2CPU_AVX2_BF16_WIDEN=split|zext overrides the choice (tests
 // run both).
-template <class V256>
-struct Avx2Bf16Decode {
-    using Split = TileLoop<V256, DecodeGemm8<Bf16x8<true>>>;
-    using Zext = TileLoop<V256, DecodeGemm8<Bf16x8<false>>>;
-    static constexpr int64_t BC = Split::BC;
-    static_assert(Zext::BC == BC, "one tile size");
-    static bool split() {
-        static const bool s = [] {
-            const char* e = std::getenv("FA2CPU_AVX2_BF16_WIDEN");
-            if (e && std::strcmp(e, "split") == 0) return true;
-            if (e && std::strcmp(e, "zext") == 0) return false;
-            return cpu_features().amd;
-        }();
-        return s;
-    }
-    static int64_t scratch_floats(const Params& p, int64_t rows) {
-        return split() ? Split::scratch_floats(p, rows) : Zext::scratch_floats(p, rows);
-    }
-    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
-        if (split()) Split::run_item(p, it, ctx);
-        else Zext::run_item(p, it, ctx);
-    }
+struct Avx2Bf16Pick {
+    static constexpr const char* kEnv = "FA2CPU_AVX2_BF16_WIDEN";
+    static constexpr const char* kNames[] = {"split", "zext"};
+    static int index() { return cpu_features().amd ? 0 : 1; }
 };
+template <class V256>
+using Avx2Bf16Decode =
+    PickedLoop<Avx2Bf16Pick, TileLoop<V256, DecodeGemm8<Bf16x8<true>>>, TileLoop<V256, DecodeGemm8<Bf16x8<false>>>>;
 
 // The decode route of the avx2 family (routes.h): every K/V dtype through the float32 products,
 // but an int8 cache read by 16-bit queries: int16 products.

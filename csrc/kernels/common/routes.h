@@ -12,6 +12,10 @@
 //
 // Selectors S: AnyInput, Bf16Input, Bf16Rows<n> (bf16 with >= n rows per kv head).
 #pragma once
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+
 #include "kernel.h"
 #include "backward_loop.h"
 #include "tile_loop.h"
@@ -99,6 +103,38 @@ struct DecodeRoute {
     static constexpr Route route(const char* name) {
         return Route{name, &serves, &kv_heads_per_item, G::kMaxRows, LoopF32::BC, &scratch_floats, &no_shared_tiles,
                      &run_item};
+    }
+};
+
+// One of several forms of a loop, picked once per process (a function-local static): Pick::index()
+// is the position in Loops, e.g. from a CPU feature, unless the environment variable Pick::kEnv
+// names a form (Pick::kNames, in Loops' order; for tests and A/B runs). Other values, and a form
+// whose name is null (one that needs an instruction the CPU may lack), are ignored.
+// The forms compute the same items with the same tile size (the avx512 family's int8 decode,
+// gemm_decode.h; the avx2 family's bf16 decode, gemm_decode_avx2.h).
+template <class Pick, class... Loops>
+struct PickedLoop {
+    static constexpr int64_t BC = std::tuple_element_t<0, std::tuple<Loops...>>::BC;
+    static_assert(((Loops::BC == BC) && ...), "one tile size");
+    static_assert(sizeof(Pick::kNames) / sizeof(Pick::kNames[0]) == sizeof...(Loops), "a name per form");
+    static int form() {
+        static const int f = [] {
+            if (const char* e = std::getenv(Pick::kEnv))
+                for (int i = 0; i < int(sizeof...(Loops)); ++i)
+                    if (Pick::kNames[i] && std::strcmp(e, Pick::kNames[i]) == 0) return i;
+            return Pick::index();
+        }();
+        return f;
+    }
+    static int64_t scratch_floats(const Params& p, int64_t rows) {
+        int64_t floats = 0;
+        int i = 0;
+        ((i++ == form() ? (floats = Loops::scratch_floats(p, rows)) : 0), ...);
+        return floats;
+    }
+    static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
+        int i = 0;
+        ((i++ == form() ? (Loops::run_item(p, it, ctx), 0) : 0), ...);
     }
 };
 
