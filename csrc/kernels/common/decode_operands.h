@@ -49,9 +49,13 @@ struct DecodeOperands {
     // (int8) faster on the 2-core Xeon with AMX; 16-24 KB lost 5-22 % for bf16 and int8 (for bf16
     // less than one KBLK block ahead), 48 KB 0-2 %. One head per item (a head-major cache, 128-512
     // B per key) keeps its key counts: 32 KB ahead there measured 0.96-0.99x (in process,
-    // bench/RESULTS.md session 50).
+    // bench/RESULTS.md session 50). Float32 caches go 64 KB ahead (16 keys at 8 kv heads): on a
+    // 2-core Zen 5 1.26-1.32x (avx512bf16 family), 1.08-1.14x (avx512), 1.46-1.49x (avx2) faster
+    // at 1 thread, 1.04-1.29x at 2, paged and head-major caches 0.98-1.14x; on the AMX test
+    // machine 0.99-1.07x (amx and avx2 families, 1 / 2 / 16 threads); 128 KB the same as 64 on
+    // the Zen 5, and 64 KB for bf16 / int8 there 0.95-1.03x (bench/RESULTS.md session 61).
     static constexpr int64_t kPrefetchKeys = sizeof(T) == 1 ? 64 : 32;
-    static constexpr int64_t kPrefetchBytes = int64_t(32) << 10;
+    static constexpr int64_t kPrefetchBytes = int64_t(sizeof(T) == 4 ? 64 : 32) << 10;
     static int64_t prefetch_keys(int64_t row_stride) {
         const int64_t row_bytes = std::max<int64_t>(1, std::llabs(row_stride) * int64_t(sizeof(T)));
         return std::max<int64_t>(1, std::min(kPrefetchKeys, kPrefetchBytes / row_bytes));
