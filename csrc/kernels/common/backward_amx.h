@@ -86,7 +86,8 @@ struct AmxProducts {
 #endif
     // Rows per block: 96 = 3 pairs of 16-row tiles. 192 (one block per group) measured no faster
     // (alternating runs, 1 thread, bf16 B=1 H=4 N=2048 D=128, full: 169 and 150 GFLOP/s against
-    // 174 and 144 for 96).
+    // 174 and 144 for 96). Only 96 is tested: 32 (with FA2CPU_AMX_BWD_UPDATE_BLOCKS=6) ran
+    // 0.96-0.99x and gave other causal bits, failing 2 backward tests (bench/RESULTS.md session 61).
     static constexpr int RB = FA2CPU_AMX_BWD_RB;
     static constexpr int64_t BC = V512::BC;
     // Rows per group (FA2CPU_AMX_BWD_GROUP_ROWS overrides it for experiments): 384 with 2 or 4
