@@ -10,7 +10,6 @@
 #pragma once
 #include <immintrin.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 

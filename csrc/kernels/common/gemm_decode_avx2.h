@@ -15,7 +15,6 @@
 
 #include <cfloat>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 

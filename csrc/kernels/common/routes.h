@@ -127,14 +127,16 @@ struct PickedLoop {
         return f;
     }
     static int64_t scratch_floats(const Params& p, int64_t rows) {
+        const int f = form();
         int64_t floats = 0;
         int i = 0;
-        ((i++ == form() ? (floats = Loops::scratch_floats(p, rows)) : 0), ...);
+        ((i++ == f ? (floats = Loops::scratch_floats(p, rows)) : 0), ...);
         return floats;
     }
     static void run_item(const Params& p, const WorkItem& it, const ItemContext& ctx) {
+        const int f = form();
         int i = 0;
-        ((i++ == form() ? (Loops::run_item(p, it, ctx), 0) : 0), ...);
+        ((i++ == f ? (Loops::run_item(p, it, ctx), 0) : 0), ...);
     }
 };
 
